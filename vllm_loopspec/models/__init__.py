@@ -1,0 +1,1 @@
+"""vLLM model implementations registered by the plugin."""

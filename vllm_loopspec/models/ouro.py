@@ -1,0 +1,265 @@
+"""Ouro looped decoder for vLLM 0.32 (registered out of tree by the plugin).
+
+One stack of ``N`` layers is applied ``R`` times per token. Every loop has its
+own attention KV, so each ``(loop u, layer i)`` pair owns one vLLM
+``Attention`` registered as ``model.layers.{u*N+i}.self_attn.attn``: the KV
+cache manager then allocates ``N*R`` layers in one group, and a query at loop
+``u`` reads only loop-``u`` keys of earlier tokens (fixed-depth decoding).
+
+After every loop the residual stream goes through ``model.norm``; that normed
+state is the loop's exit (its logits are ``lm_head`` of it) and the next
+loop's input. :meth:`OuroModel.run_loops` runs any loop range from given
+hidden states, which is what loopspec needs to reuse shallow work: draft with
+loops ``[0, d)``, verify with ``[d, R)`` starting from the kept states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.sequence import IntermediateTensors
+
+# Observer called after every loop with (loop index, normed exit state).
+LoopObserver = Callable[[int, torch.Tensor], None]
+
+
+def kv_layer_name(loop: int, layer: int, num_layers: int) -> str:
+    """vLLM layer name of the attention of ``layer`` at ``loop`` (0-based)."""
+    return f"model.layers.{loop * num_layers + layer}.self_attn.attn"
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [intermediate] * 2, bias=False, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate, hidden, bias=False, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(x)
+        x, _ = self.down_proj(self.act_fn(gate_up))
+        return x
+
+
+class OuroAttention(nn.Module):
+    """Shared projections, one KV-owning ``Attention`` per loop."""
+
+    def __init__(self, vllm_config: VllmConfig, layer_index: int, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=False,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=False,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        )
+        self.attn = nn.ModuleList(
+            Attention(
+                self.num_heads,
+                self.head_dim,
+                self.head_dim**-0.5,
+                num_kv_heads=self.num_kv_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=kv_layer_name(loop, layer_index, config.num_hidden_layers),
+            )
+            for loop in range(config.total_ut_steps)
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, loop: int) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        out, _ = self.o_proj(self.attn[loop](q, k, v))
+        return out
+
+
+class OuroDecoderLayer(nn.Module):
+    """``h += norm2(attn(norm1(h)))`` then ``h += norm4(mlp(norm3(h)))``."""
+
+    def __init__(self, vllm_config: VllmConfig, layer_index: int, prefix: str) -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        eps = config.rms_norm_eps
+        self.self_attn = OuroAttention(vllm_config, layer_index, f"{prefix}.self_attn")
+        self.mlp = OuroMLP(config.hidden_size, config.intermediate_size, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.input_layernorm_2 = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps=eps)
+
+    def forward(self, positions, hidden_states, loop, residual):
+        # The residual stream is carried separately and summed by the fused
+        # add-norms: after the call ``hidden_states + residual`` is ``h``.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.input_layernorm_2(self.self_attn(positions, hidden_states, loop))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.post_attention_layernorm_2(self.mlp(hidden_states))
+        return hidden_states, residual
+
+
+class OuroModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.num_loops = config.total_ut_steps
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            OuroDecoderLayer(vllm_config, i, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.early_exit_gate = ReplicatedLinear(
+            config.hidden_size, 1, bias=True, prefix=f"{prefix}.early_exit_gate"
+        )
+        # Test and profiling hook; empty in serving.
+        self.loop_observers: list[LoopObserver] = []
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_loops(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """Run loops ``[start, end)`` on the given rows and return the exit state
+        of loop ``end-1``. The rows are whatever the current attention metadata
+        describes: all scheduled tokens, or the subset a drafter set up."""
+        for loop in range(start, end):
+            residual = None
+            for layer in self.layers:
+                hidden_states, residual = layer(positions, hidden_states, loop, residual)
+            hidden_states, _ = self.norm(hidden_states, residual)
+            for observe in self.loop_observers:
+                observe(loop, hidden_states)
+        return hidden_states
+
+    def exit_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Per-row exit probability of the gate for a loop's exit state."""
+        gate, _ = self.early_exit_gate(hidden_states)
+        return torch.sigmoid(gate.float()).squeeze(-1)
+
+    def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
+        h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        return self.run_loops(h, positions, 0, self.num_loops)
+
+
+class OuroForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = OuroModel(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @property
+    def num_loops(self) -> int:
+        return self.model.num_loops
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Logits of any loop's exit state (they share ``lm_head``)."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        stacked = [
+            ("qkv_proj", "q_proj", "q"),
+            ("qkv_proj", "k_proj", "k"),
+            ("qkv_proj", "v_proj", "v"),
+            ("gate_up_proj", "gate_proj", 0),
+            ("gate_up_proj", "up_proj", 1),
+        ]
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            for fused, part, shard in stacked:
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    params[target].weight_loader(params[target], tensor, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(
+                        f"Ouro checkpoint has an unexpected weight '{name}'; "
+                        "is this an Ouro (model_type 'ouro') checkpoint?"
+                    )
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        return loaded
