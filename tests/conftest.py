@@ -1,0 +1,64 @@
+"""Shared fixtures: one tiny checkpoint, one oracle and one in-process vLLM
+engine for the whole session (an engine start costs seconds to a minute on
+CPU, so tests share them)."""
+
+from __future__ import annotations
+
+import os
+
+# Before vLLM is imported anywhere: run the engine core in this process so
+# tests can reach the model and the KV cache, and keep the CPU KV pool small.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+from vllm_loopspec import register
+
+register()
+
+# Engine shape shared by the tests: chunked prefill in 128-token pieces.
+MAX_MODEL_LEN = 1024
+MAX_BATCHED_TOKENS = 128
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    from vllm_loopspec.tools.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_checkpoint):
+    from vllm_loopspec.reference import OuroReference
+
+    return OuroReference.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def native_llm(tiny_checkpoint):
+    """vLLM engine on the tiny checkpoint, fp32, no speculation."""
+    from vllm import LLM
+
+    llm = LLM(
+        str(tiny_checkpoint),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.5,
+        enforce_eager=True,
+        seed=0,
+    )
+    yield llm
+    del llm

@@ -1,0 +1,42 @@
+"""The plugin loads through its entry point and vLLM sees N*R KV layers."""
+
+import subprocess
+import sys
+
+from engine_access import engine_core, served_model
+
+
+def test_entry_point_registers_in_fresh_process():
+    code = (
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm import ModelRegistry\n"
+        "from transformers import AutoConfig\n"
+        "assert 'OuroForCausalLM' in ModelRegistry.get_supported_archs()\n"
+        "from vllm.transformers_utils.config import _CONFIG_REGISTRY\n"
+        "assert _CONFIG_REGISTRY['ouro'].__name__ == 'OuroConfig'\n"
+        "load_general_plugins()  # idempotent\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+
+
+def test_register_is_idempotent():
+    from vllm_loopspec import register
+
+    register()
+    register()
+
+
+def test_engine_allocates_one_kv_layer_per_loop_and_layer(native_llm, tiny_checkpoint):
+    cfg = served_model(native_llm).config
+    n, r = cfg.num_hidden_layers, cfg.total_ut_steps
+    kv_cfg = engine_core(native_llm).scheduler.kv_cache_config
+    names = sorted(
+        name for group in kv_cfg.kv_cache_groups for name in group.layer_names
+    )
+    expected = sorted(f"model.layers.{u * n + i}.self_attn.attn" for u in range(r) for i in range(n))
+    assert names == expected
+    assert len(kv_cfg.kv_cache_groups) == 1, "all loops must share one KV group"
