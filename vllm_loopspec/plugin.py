@@ -1,4 +1,4 @@
-"""Registration with vLLM: the model, its config class. Idempotent."""
+"""Registration with vLLM: the model, its config class, loopspec. Idempotent."""
 
 from __future__ import annotations
 
@@ -25,4 +25,8 @@ def register() -> None:
     # value (not a name) is returned as is by its LazyConfigDict.
     vllm_config_utils._CONFIG_REGISTRY["ouro"] = OuroConfig
     AutoConfig.register("ouro", OuroConfig, exist_ok=True)
+
+    from vllm_loopspec.spec import patches
+
+    patches.apply()
     _registered = True

@@ -1,0 +1,105 @@
+"""User-facing loopspec options and their validation.
+
+``--speculative-config loopspec`` or JSON such as
+``{"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2}``.
+Every error says what to change, and is raised while vLLM builds its config,
+before the engine starts or a port is bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHOD = "loopspec"
+# vLLM's rejection sampler handles at most this many drafts per request.
+MAX_SPECULATIVE_TOKENS = 128
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+ALLOWED_KEYS = {"method", "num_speculative_tokens", "draft_loops", "skip_logprobs_requests"}
+
+
+class LoopSpecConfigError(ValueError):
+    """A loopspec setup that cannot run; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class LoopSpecOptions:
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    """K: tokens drafted per round."""
+    draft_loops: int | None = None
+    """d: loops that draft (1 <= d < R). Default: R // 2."""
+    skip_logprobs_requests: bool = True
+    """Requests asking for logprobs decode one token per step (counted as
+    skipped) so their logprobs are exactly those of native decoding."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "LoopSpecOptions":
+        return cls(**{k: v for k, v in raw.items() if k != "method"})
+
+
+def is_loopspec(spec: Any) -> bool:
+    if isinstance(spec, str):
+        return spec.strip() == METHOD
+    return isinstance(spec, dict) and spec.get("method") == METHOD
+
+
+def parse_user_spec(spec: str | dict[str, Any]) -> dict[str, Any]:
+    """The bare word or a dict, as a dict with ``method`` set."""
+    if isinstance(spec, str):
+        return {"method": METHOD}
+    unknown = set(spec) - ALLOWED_KEYS
+    if unknown:
+        raise LoopSpecConfigError(
+            f"unknown loopspec option(s) {sorted(unknown)}; loopspec accepts "
+            f"{sorted(ALLOWED_KEYS)} (e.g. "
+            '{"method":"loopspec","num_speculative_tokens":4,"draft_loops":2}).'
+        )
+    return dict(spec)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: list[str] | None) -> LoopSpecOptions:
+    """Validate the user's loopspec request against the model; fill defaults."""
+    raw = parse_user_spec(spec)
+    archs = architectures or []
+    if "OuroForCausalLM" not in archs or getattr(hf_config, "total_ut_steps", None) is None:
+        raise LoopSpecConfigError(
+            f"loopspec needs an Ouro looped model (architecture OuroForCausalLM with "
+            f"'total_ut_steps'); this model is {archs or 'unknown'}. Serve an Ouro "
+            "checkpoint or choose another speculative method."
+        )
+    loops = hf_config.total_ut_steps
+    k = raw.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+    if not _positive_int(k) or k < 1:
+        raise LoopSpecConfigError(
+            f"loopspec num_speculative_tokens must be an integer >= 1, got {k!r}; "
+            f"set e.g. \"num_speculative_tokens\": {DEFAULT_NUM_SPECULATIVE_TOKENS}."
+        )
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise LoopSpecConfigError(
+            f"loopspec num_speculative_tokens={k} exceeds vLLM's rejection sampler "
+            f"limit of {MAX_SPECULATIVE_TOKENS}; use a smaller K."
+        )
+    d = raw.get("draft_loops", loops // 2)
+    if not _positive_int(d) or not 1 <= d < loops:
+        raise LoopSpecConfigError(
+            f"loopspec draft_loops must be an integer with 1 <= draft_loops < "
+            f"total_ut_steps ({loops}), got {d!r}; the remaining loops verify."
+        )
+    threshold = getattr(hf_config, "early_exit_threshold", 1.0)
+    if threshold is not None and threshold < 1.0:
+        raise LoopSpecConfigError(
+            f"loopspec needs fixed-depth decoding, but the checkpoint sets "
+            f"early_exit_threshold={threshold}; override it with "
+            "--hf-overrides '{\"early_exit_threshold\": 1.0}'."
+        )
+    skip = raw.get("skip_logprobs_requests", True)
+    if not isinstance(skip, bool):
+        raise LoopSpecConfigError(f"loopspec skip_logprobs_requests must be true or false, got {skip!r}.")
+    return LoopSpecOptions(num_speculative_tokens=k, draft_loops=d, skip_logprobs_requests=skip)

@@ -1,0 +1,120 @@
+"""Every change loopspec makes to vLLM code, in one place.
+
+vLLM 0.32 has no extension point for a new speculative method: its
+``SpeculativeConfig.method`` is a closed ``Literal`` and the runner dispatches
+on it. loopspec therefore rides on the built-in ``custom_class`` method (which
+gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
+and metrics) and translates the user's ``loopspec`` request into it. Two
+functions are wrapped; nothing else is modified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from vllm_loopspec.spec.options import (
+    LoopSpecConfigError,
+    is_loopspec,
+    resolve_options,
+)
+
+PROPOSER_CLASS = "vllm_loopspec.spec.proposer.LoopSpecProposer"
+CPU_WORKER_CLASS = "vllm_loopspec.spec.runner.LoopSpecCPUWorker"
+GPU_WORKER_CLASS = "vllm_loopspec.spec.runner.LoopSpecGPUWorker"
+ADDITIONAL_CONFIG_KEY = "loopspec"
+
+_applied = False
+
+
+def parse_speculative_config_arg(value: str) -> dict[str, Any] | str | None:
+    """``--speculative-config`` value: JSON as vLLM parses it, or the bare word
+    ``loopspec``."""
+    if value in ("", "None"):
+        return None
+    if value.strip() == "loopspec":
+        return {"method": "loopspec"}
+    return json.loads(value)
+
+
+def _worker_class() -> str:
+    from vllm.platforms import current_platform
+
+    return CPU_WORKER_CLASS if current_platform.is_cpu() else GPU_WORKER_CLASS
+
+
+def translate_loopspec(engine_args, target_model_config, target_parallel_config) -> None:
+    """Rewrite ``engine_args.speculative_config`` from loopspec to the
+    ``custom_class`` method, record loopspec's options in ``additional_config``
+    and select the loopspec worker. Raises :class:`LoopSpecConfigError`."""
+    opts = resolve_options(
+        engine_args.speculative_config,
+        target_model_config.hf_config,
+        getattr(target_model_config, "architectures", None),
+    )
+    if target_parallel_config.pipeline_parallel_size > 1 or target_parallel_config.tensor_parallel_size > 1:
+        raise LoopSpecConfigError(
+            "loopspec runs with tensor_parallel_size=1 and pipeline_parallel_size=1 "
+            "for now; drop --tensor-parallel-size/--pipeline-parallel-size."
+        )
+    if engine_args.async_scheduling:
+        raise LoopSpecConfigError(
+            "loopspec rounds are synchronous in this release; remove --async-scheduling."
+        )
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+        raise LoopSpecConfigError(
+            "loopspec runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER."
+        )
+    worker = _worker_class()
+    if target_parallel_config.worker_cls not in ("auto", worker):
+        raise LoopSpecConfigError(
+            f"loopspec brings its own worker ({worker}); remove --worker-cls "
+            f"{target_parallel_config.worker_cls}."
+        )
+    target_parallel_config.worker_cls = worker
+    engine_args.worker_cls = worker
+    additional = dict(engine_args.additional_config or {})
+    additional[ADDITIONAL_CONFIG_KEY] = opts.as_dict()
+    engine_args.additional_config = additional
+    engine_args.speculative_config = {
+        "method": "custom_class",
+        "model": PROPOSER_CLASS,
+        "num_speculative_tokens": opts.num_speculative_tokens,
+    }
+
+
+def apply() -> None:
+    """Install the two wrappers (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    # Patch 1 — vllm.engine.arg_utils.EngineArgs.add_cli_args: vLLM parses
+    # --speculative-config with json.loads only, so the documented bare word
+    # `--speculative-config loopspec` would fail; swap the argument's type for
+    # one that also accepts it. Any other value is still parsed as JSON.
+    original_add_cli_args = EngineArgs.add_cli_args
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original_add_cli_args(parser, *args, **kwargs)
+        for action in parser._actions:
+            if action.dest == "speculative_config":
+                action.type = parse_speculative_config_arg
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+    # Patch 2 — vllm.engine.arg_utils.EngineArgs.create_speculative_config:
+    # vLLM's SpeculativeConfig forbids unknown methods and keys; translate
+    # loopspec into the custom_class method before it is validated.
+    original_create = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if is_loopspec(self.speculative_config):
+            translate_loopspec(self, target_model_config, target_parallel_config)
+        return original_create(self, target_model_config, target_parallel_config)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+    _applied = True
