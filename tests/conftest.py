@@ -62,3 +62,38 @@ def native_llm(tiny_checkpoint):
     )
     yield llm
     del llm
+
+
+def make_llm(checkpoint, speculative_config=None, **overrides):
+    from vllm import LLM
+
+    kwargs = dict(
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.5,
+        enforce_eager=True,
+        seed=0,
+        disable_log_stats=False,
+    )
+    kwargs.update(overrides)
+    return LLM(str(checkpoint), speculative_config=speculative_config, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def loopspec_llms(tiny_checkpoint):
+    """loopspec engines on the tiny checkpoint, built on first use and shared:
+    ``loopspec_llms(K, d=2)``."""
+    engines = {}
+
+    def get(k: int, d: int = 2):
+        if (k, d) not in engines:
+            engines[(k, d)] = make_llm(
+                tiny_checkpoint,
+                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d},
+            )
+        return engines[(k, d)]
+
+    yield get
+    engines.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def engine_core(llm):
     return llm.llm_engine.engine_core.engine_core
@@ -13,3 +15,33 @@ def model_runner(llm):
 
 def served_model(llm):
     return model_runner(llm).model
+
+
+def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, value) of one token slot of one cache layer, each [kv_heads, head_dim].
+
+    vLLM 0.32's CPU backend stores a block per head as keys transposed
+    ([head_dim, block_size]) followed by values ([block_size, head_dim]);
+    tests check this reading against the oracle at committed positions."""
+    attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
+    cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+    blocks, heads, block_size, two_hd = cache.shape
+    hd = two_hd // 2
+    flat = cache.view(blocks, heads, 2 * block_size * hd)
+    block, offset = divmod(slot, block_size)
+    keys = flat[block, :, : block_size * hd].view(heads, hd, block_size)[:, :, offset]
+    values = flat[block, :, block_size * hd :].view(heads, block_size, hd)[:, offset]
+    return keys.clone(), values.clone()
+
+
+def free_blocks(llm) -> int:
+    return engine_core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def spec_metrics(llm) -> dict:
+    """vLLM's spec_decode counters from the engine's metrics."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) if hasattr(m, "values") else m.value
+    return out

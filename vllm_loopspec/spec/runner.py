@@ -90,6 +90,11 @@ class _StepPasses:
     def draft(self, rows: np.ndarray, step: int, shallow_states: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(shallow_states).float()
         tokens = logits.argmax(dim=-1)
+        override = self.runner.loopspec_draft_override
+        if override is not None:  # test hook: force acceptance or rejection
+            req_ids = self.runner.input_batch.req_ids
+            tokens = torch.tensor([override(req_ids[r], step, int(t)) for r, t in zip(rows.tolist(), tokens)],
+                                  dtype=tokens.dtype, device=tokens.device)
         meta = self.runner.input_batch.sampling_metadata
         if meta.all_greedy:
             return tokens
@@ -126,6 +131,10 @@ class LoopSpecRunnerMixin:
         self.loopspec_stats = LoopSpecStats()
         self._loopspec_sdm = None
         self._loopspec_cm = None
+        # Test hooks (None in serving): replace greedy drafts, and record
+        # each round's positions, KV slots and tokens per request.
+        self.loopspec_draft_override = None
+        self.loopspec_trace: list[dict] | None = None
 
     @property
     def loopspec_layer_names(self) -> list[str]:
@@ -174,6 +183,8 @@ class LoopSpecRunnerMixin:
             return 0
         num_tokens = int(self.input_batch.num_tokens_no_spec[row])
         room_output = (params.max_tokens or max_len) - len(state.output_token_ids) - 1
+        if room_output < 0:
+            return 0  # finished this step
         room_context = max_len - num_tokens - 1
         k = min(self.loopspec.num_speculative_tokens, room_output, room_context)
         if k <= 0:
@@ -198,11 +209,27 @@ class LoopSpecRunnerMixin:
         passes = _StepPasses(self, cm, row_of_token, positions[:n])
         result = run_round(layout, input_ids[:n], passes)
         self._loopspec_publish_drafts(layout, result.draft_token_ids, passes, sdm)
+        if self.loopspec_trace is not None:
+            self._loopspec_record(layout, result.draft_token_ids, cm, positions)
         stats = self.loopspec_stats
         stats.rounds += 1
         stats.speculating_rows += int((num_drafts > 0).sum())
         stats.drafted_tokens += int(num_drafts.sum())
         return result.hidden_states
+
+    def _loopspec_record(self, layout: RoundLayout, ids, cm, positions) -> None:
+        rounds = {}
+        for r in np.nonzero(layout.num_drafts > 0)[0]:
+            a = int(layout.anchor_index()[r])
+            span = slice(a, a + 1 + int(layout.num_drafts[r]))
+            pos_a = int(positions[a])
+            rounds[self.input_batch.req_ids[r]] = {
+                "prefix": self.input_batch.token_ids_cpu[r, :pos_a].tolist(),
+                "tokens": ids[span].tolist(),  # [A, c_1..c_K]
+                "positions": positions[span].tolist(),
+                "slots": cm.slot_mapping[span].tolist(),
+            }
+        self.loopspec_trace.append(rounds)
 
     def _loopspec_publish_drafts(self, layout: RoundLayout, ids: torch.Tensor,
                                  passes: _StepPasses, sdm) -> None:

@@ -1,0 +1,106 @@
+"""Greedy loopspec is exact: token for token equal to native decoding, with
+every loop doing K+1 rows per round and drafts both accepted and rejected."""
+
+import pytest
+from vllm import SamplingParams
+
+from conftest import MAX_BATCHED_TOKENS
+from engine_access import model_runner, spec_metrics
+from prompts import MEDIUM, SHORT, long_prompt
+
+KS = [1, 2, 4, 8]
+# Budgets that end inside a round for every K above (not 1 + multiples of K+1).
+BUDGETS = [7, 13, 30]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    long_a = long_prompt(MAX_BATCHED_TOKENS + 40, tokenizer)  # chunk-prefilled
+    long_b = long_prompt(2 * MAX_BATCHED_TOKENS + 9, tokenizer)[::-1]
+    extra = ["    def close(self):\n        ", "if __name__ == '__main__':\n", "@property\ndef", "try:\n    import"]
+    out = SHORT + MEDIUM + [long_a, long_b] + extra
+    assert len(out) >= 16
+    return out
+
+
+@pytest.fixture(scope="module")
+def native_reference(native_llm, prompts):
+    """Native greedy outputs per (prompt, budget); native == oracle is tested
+    in test_native_vs_oracle.py."""
+    ref = {}
+    for budget in BUDGETS:
+        outs = native_llm.generate(prompts, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            ref[(p, budget)] = list(o.outputs[0].token_ids)
+    return ref
+
+
+@pytest.mark.parametrize("k", KS)
+def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
+    llm = loopspec_llms(k)
+    for budget in BUDGETS:
+        for start in range(0, len(prompts), 8):
+            batch = prompts[start : start + 8]
+            outs = llm.generate(batch, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
+                                use_tqdm=False)
+            for p, o in zip(batch, outs):
+                assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, budget, p[:40])
+
+
+@pytest.mark.parametrize("k", KS)
+def test_width_1_equals_native(loopspec_llms, prompts, native_reference, k):
+    llm = loopspec_llms(k)
+    for p in [prompts[0], prompts[8], prompts[10], prompts[11]]:  # short, medium, two chunked
+        for budget in BUDGETS:
+            out = llm.generate([p], SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
+                               use_tqdm=False)[0]
+            assert list(out.outputs[0].token_ids) == native_reference[(p, budget)], (k, budget, p[:40])
+
+
+@pytest.mark.parametrize("k", KS)
+def test_drafts_are_both_accepted_and_rejected(loopspec_llms, k):
+    """Otherwise the equality tests above would not exercise both paths."""
+    llm = loopspec_llms(k)
+    m = spec_metrics(llm)
+    drafted = m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted > 0
+    assert 0 < accepted < drafted
+
+
+def test_every_loop_processes_k_plus_1_rows_per_round(loopspec_llms, tokenizer):
+    """Reuse count: per round, the shallow loops run 1+K single rows (A, then
+    each draft) and the deep loops one batch of K+1 rows: nothing shallow is
+    recomputed for a drafted position."""
+    k = 4
+    llm = loopspec_llms(k)
+    model = model_runner(llm).model
+    calls: list[tuple[int, int]] = []
+    observer = lambda loop, h: calls.append((loop, h.shape[0]))  # noqa: E731
+    prompt = SHORT[2]
+    n_prompt = len(tokenizer(prompt)["input_ids"])
+    model.model.loop_observers.append(observer)
+    trace: list[dict] = []
+    model_runner(llm).loopspec_trace = trace
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        model.model.loop_observers.remove(observer)
+        model_runner(llm).loopspec_trace = None
+    d, loops = 2, model.num_loops
+    round_sizes = [len(r["tokens"]) for step in trace for r in step.values()]  # K_i + 1 each
+    assert round_sizes and max(round_sizes) == k + 1
+    per_loop = {u: [rows for loop, rows in calls if loop == u] for u in range(loops)}
+    for u in range(loops):
+        assert per_loop[u][0] == n_prompt  # prefill: native full-depth step
+    spec_calls = {u: per_loop[u][1:] for u in range(loops)}
+    for u in range(d):
+        # A and every draft: one single-row shallow pass each (plain decode
+        # steps without drafts are single rows too).
+        assert all(rows == 1 for rows in spec_calls[u])
+    for u in range(d, loops):
+        assert [rows for rows in spec_calls[u] if rows > 1] == [s for s in round_sizes if s > 1]
+    totals = [sum(spec_calls[u]) for u in range(loops)]
+    assert totals == [totals[0]] * loops
+    assert sum(round_sizes) <= totals[0]
