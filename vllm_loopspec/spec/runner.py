@@ -44,6 +44,7 @@ class _StepPasses:
         self.row_of_token = row_of_token
         self.positions = positions
         self.positions_np = positions.cpu().numpy()
+        self.anchor_positions: np.ndarray | None = None  # per row, set by the runner
         self.d = runner.loopspec.draft_loops
         self.loops = runner.model.num_loops
         self.random_rows: dict[int, torch.Tensor] = {}  # row -> q per draft step
@@ -93,8 +94,10 @@ class _StepPasses:
         override = self.runner.loopspec_draft_override
         if override is not None:  # test hook: force acceptance or rejection
             req_ids = self.runner.input_batch.req_ids
-            tokens = torch.tensor([override(req_ids[r], step, int(t)) for r, t in zip(rows.tolist(), tokens)],
-                                  dtype=tokens.dtype, device=tokens.device)
+            tokens = torch.tensor(
+                [override(req_ids[r], step, int(t), int(self.anchor_positions[r]))
+                 for r, t in zip(rows.tolist(), tokens)],
+                dtype=tokens.dtype, device=tokens.device)
         meta = self.runner.input_batch.sampling_metadata
         if meta.all_greedy:
             return tokens
@@ -131,7 +134,8 @@ class LoopSpecRunnerMixin:
         self.loopspec_stats = LoopSpecStats()
         self._loopspec_sdm = None
         self._loopspec_cm = None
-        # Test hooks (None in serving): replace greedy drafts, and record
+        # Test hooks (None in serving): replace greedy drafts
+        # (``override(req_id, step, token, anchor_position) -> token``), and record
         # each round's positions, KV slots and tokens per request.
         self.loopspec_draft_override = None
         self.loopspec_trace: list[dict] | None = None
@@ -207,6 +211,7 @@ class LoopSpecRunnerMixin:
         n = layout.num_tokens
         row_of_token = np.repeat(np.arange(num_reqs), np.diff(query_start))
         passes = _StepPasses(self, cm, row_of_token, positions[:n])
+        passes.anchor_positions = passes.positions_np[layout.anchor_index()]
         result = run_round(layout, input_ids[:n], passes)
         self._loopspec_publish_drafts(layout, result.draft_token_ids, passes, sdm)
         if self.loopspec_trace is not None:

@@ -1,0 +1,159 @@
+"""loopspec under continuous batching: stops inside accepted runs, requests
+joining mid-generation, preemption, cancellation (KV freed), metrics."""
+
+import pytest
+from vllm import SamplingParams
+
+from conftest import make_llm
+from engine_access import engine_core, free_blocks, model_runner, spec_metrics
+from prompts import MEDIUM, SHORT, long_prompt
+
+K = 4
+
+
+def _native(native_llm, prompt_ids, params):
+    out = native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), out.text
+
+
+def _accept_everything(full):
+    return lambda req_id, step, token, anchor_pos: full[anchor_pos + step] if anchor_pos + step < len(full) else token
+
+
+@pytest.mark.parametrize("prompt", [SHORT[0], SHORT[3], SHORT[6]])
+def test_stop_token_inside_accepted_run_cuts_there(loopspec_llms, native_llm, tokenizer, prompt):
+    """All drafts are accepted (forced to the target's tokens); a stop token
+    that is the 2nd/3rd draft of a round ends the output there, like EOS."""
+    llm = loopspec_llms(K)
+    runner = model_runner(llm)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    free_run, _ = _native(native_llm, prompt_ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    full = prompt_ids + free_run
+    # Output token 0 comes from prefill; round 1 drafts tokens 1..K. Stop at
+    # the first new token among drafts 2..K-1 (strictly inside the run).
+    inside = [i for i in range(2, K) if free_run[i] not in free_run[:i]]
+    if not inside:
+        pytest.skip("no fresh token inside the first round for this prompt")
+    stop_index = inside[0]
+    stop_token = free_run[stop_index]
+    params = SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_token])
+    expected, expected_text = _native(native_llm, prompt_ids, params)
+    assert expected == free_run[: stop_index + 1]
+    trace = []
+    runner.loopspec_draft_override = _accept_everything(full)
+    runner.loopspec_trace = trace
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        runner.loopspec_draft_override = None
+        runner.loopspec_trace = None
+    assert list(out.token_ids) == expected
+    assert out.text == expected_text
+    assert out.finish_reason == "stop"
+    (first_round,) = trace[0].values()
+    assert stop_token in first_round["tokens"][1:-1], "the stop token was not inside the accepted run"
+
+
+def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer):
+    llm = loopspec_llms(K)
+    runner = model_runner(llm)
+    prompt_ids = tokenizer(SHORT[1])["input_ids"]
+    free_ids, free_text = _native(native_llm, prompt_ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    stop = tokenizer.decode(free_ids[2:4]).strip()[:3] or tokenizer.decode(free_ids[2:4])
+    params = SamplingParams(max_tokens=30, temperature=0, stop=[stop])
+    expected_ids, expected_text = _native(native_llm, prompt_ids, params)
+    runner.loopspec_draft_override = _accept_everything(prompt_ids + free_ids)
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        runner.loopspec_draft_override = None
+    assert out.text == expected_text
+    assert list(out.token_ids) == expected_ids
+    assert len(expected_ids) < 30
+
+
+def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm, tokenizer):
+    """Prefill chunks share steps with speculating requests."""
+    llm = loopspec_llms(K)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    arrivals = {0: [SHORT[0], SHORT[1]], 2: [long_prompt(300, tokenizer)], 5: [MEDIUM[0], SHORT[4]]}
+    expected = {}
+    for step_prompts in arrivals.values():
+        for p in step_prompts:
+            expected[p] = list(native_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+    engine = llm.llm_engine
+    rounds_before = model_runner(llm).loopspec_stats.rounds
+    got, step, rid_to_prompt = {}, 0, {}
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i, p in enumerate(arrivals.get(step, [])):
+            rid = f"join-{step}-{i}"
+            rid_to_prompt[rid] = p
+            engine.add_request(rid, p, params)
+        for out in engine.step():
+            if out.finished:
+                got[rid_to_prompt[out.request_id]] = list(out.outputs[0].token_ids)
+        step += 1
+    assert got == expected
+    assert model_runner(llm).loopspec_stats.rounds > rounds_before
+
+
+def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
+    llm = loopspec_llms(K)
+    engine = llm.llm_engine
+    before = free_blocks(llm)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    prompts = SHORT[:4] + [long_prompt(260, tokenizer), MEDIUM[1]]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"cancel-{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert free_blocks(llm) < before
+    engine.abort_request(["cancel-0", "cancel-2", "cancel-4"])
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["cancel-5"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert free_blocks(llm) == before
+    assert not engine_core(llm).scheduler.requests
+
+
+def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
+    """A KV pool of 6 blocks (768 tokens) for 5 requests of ~250 tokens forces
+    vLLM to preempt and recompute; loopspec output must stay native."""
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2},
+                   num_gpu_blocks_override=6, max_model_len=512)
+    try:
+        prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
+        params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        sched_stats = engine_core(llm).scheduler
+        assert sched_stats.kv_cache_manager.block_pool.num_gpu_blocks == 6
+        assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
+            "the workload did not preempt"
+    finally:
+        del llm
+
+
+def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
+    """vLLM's spec_decode counters agree with loopspec's own round counts:
+    every output token comes from prefill, an accepted draft, a round's
+    correction/bonus token, or a step without drafts."""
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 3, "draft_loops": 1})
+    try:
+        params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+        outs = llm.generate(SHORT, params, use_tqdm=False)
+        total = sum(len(o.outputs[0].token_ids) for o in outs)
+        stats = model_runner(llm).loopspec_stats
+        m = spec_metrics(llm)
+        assert m["vllm:spec_decode_num_drafts"] == stats.speculating_rows
+        assert m["vllm:spec_decode_num_draft_tokens"] == stats.drafted_tokens
+        accepted = m["vllm:spec_decode_num_accepted_tokens"]
+        assert total == len(SHORT) + stats.speculating_rows + accepted + sum(stats.skipped.values())
+        per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+        assert sum(per_pos) == accepted and len(per_pos) == 3
+        assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance is a prefix
+    finally:
+        del llm
