@@ -32,7 +32,9 @@ def _sha(path: Path) -> str:
 def model():
     from vllm_loopspec.reference import OuroReference
 
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    # one thread: these are small ops, and OpenMP threads that spin at barriers
+    # crawl when the CPU is shared with other jobs
+    torch.set_num_threads(1)
     return OuroReference.from_pretrained(CKPT, dtype=torch.float32)
 
 
@@ -80,9 +82,8 @@ def test_greedy_generation_is_not_degenerate(model, tok):
     out = model.greedy_generate(prompt, 48)
     assert len(out) == 48
     assert len(set(out)) > 8, tok.decode(out)
-    longest = max(len(m.group(0)) for m in re.finditer(r"(\d+,)\1*", ",".join(map(str, out)) + ","))
-    assert longest < len(",".join(map(str, out)) + ","), "one token repeated for the whole run"
-    assert max(out.count(t) for t in set(out)) < 48
+    # no single token repeated for the whole run (nor for its second half)
+    assert len(set(out[24:])) > 1, tok.decode(out)
     # the batched KV-cached decoder the evaluation uses reproduces the oracle
     cached, _ = CachedGreedy(model).generate(torch.tensor([prompt]), 48)
     assert cached[0].tolist() == out

@@ -1,0 +1,253 @@
+"""Write the model card, the loss-curve plot and ``sha256.json`` of a trained checkpoint.
+
+    python -m vllm_loopspec.training.card checkpoints/ouro-stdlib --wall-s 2600
+
+Reads ``train_log.json``, ``training_args.json``, ``config.json`` and
+``eval.json`` (run :mod:`vllm_loopspec.training.evaluate` first), draws
+``loss_curve.png`` when matplotlib is installed, writes ``README.md`` (with the
+sha256 of every other shipped file) and finally ``sha256.json`` (every file in
+the directory except itself, README included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+CARD_NAME = "README.md"
+SHA_NAME = "sha256.json"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def plot(ckpt: Path, log: dict) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train, held = log["train"], log["held_out"]
+    R = len(train[0]["loss_per_loop"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for t in range(R):
+        line, = ax.plot([r["step"] for r in train], [r["loss_per_loop"][t] for r in train],
+                        lw=1, alpha=0.8, label=f"train loop {t + 1}")
+        ax.plot([e["step"] for e in held], [e["loss_per_loop"][t] for e in held], "o--",
+                color=line.get_color(), ms=3, lw=1, label=f"held-out loop {t + 1}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("LM loss (nats/token)")
+    ax.set_ylim(bottom=max(0.0, min(min(r["loss_per_loop"]) for r in train) - 0.3), top=min(8.6, ax.get_ylim()[1]))
+    ax.set_title("ouro-stdlib: per-loop loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(ckpt / "loss_curve.png", metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+def fmt_row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: float | None, has_plot: bool, hashes: dict) -> str:
+    R = cfg["total_ut_steps"]
+    tf, gen = ev["teacher_forced"], ev["greedy_continuations"]
+    corpus = log["corpus"]
+    steps, batch, ctx = args["steps"], args["batch"], args["context"]
+    tokens = steps * batch * ctx
+    train_s = log["elapsed_s"]
+    reproduce = (
+        f"python -m vllm_loopspec.training.train --out {args['out']} --size {args['size']} --steps {steps} "
+        f"--batch {batch} --context {ctx} --lr {args['lr']} --warmup {args['warmup']} --eval-every {args['eval_every']} "
+        f"--seed {args['seed']} --resume"
+    )
+    lines = [
+        "# ouro-stdlib: a small trained Ouro looped LM (Python standard library)",
+        "",
+        "A from-scratch [Ouro](https://arxiv.org/abs/2510.25741)-architecture looped decoder, trained on CPU on the",
+        "Python standard library's own source so that its loops behave like a trained looped LM's: deeper loops",
+        "predict better, and loop `d`'s argmax agrees with loop `R`'s often but not always. It exists to test and",
+        "benchmark `vllm_loopspec` (serving and loopspec self-speculation) with real, non-random loop agreement.",
+        "It is a tiny research artefact, not a useful code model.",
+        "",
+        "## Model",
+        "",
+        f"* `model_type: \"ouro\"`, `architectures: [\"OuroForCausalLM\"]`; {cfg['num_hidden_layers']} layers applied "
+        f"`total_ut_steps = R = {R}` times (each loop has its own KV), hidden {cfg['hidden_size']}, intermediate "
+        f"{cfg['intermediate_size']}, {cfg['num_attention_heads']} heads / {cfg['num_key_value_heads']} KV heads, "
+        f"head_dim {cfg['head_dim']}, vocab {cfg['vocab_size']}, RoPE theta {cfg['rope_theta']:g}, untied `lm_head`, "
+        f"early-exit gate trained (`early_exit_threshold` 1.0 = always all loops).",
+        f"* {log['num_params'] / 1e6:.2f}M parameters, stored as bfloat16 safetensors "
+        f"({(ckpt / 'model.safetensors').stat().st_size / 1e6:.1f} MB).",
+        f"* `eos_token_id = bos = pad = 0` (`<|endoftext|>`); `<|im_start|>`/`<|im_end|>` are ids 1/2 (ChatML "
+        f"template in `tokenizer_config.json`, never seen in training).",
+        f"* Trained with a context of {ctx} tokens. `max_position_embeddings` is {cfg['max_position_embeddings']} so "
+        f"engines accept longer requests, but quality past {ctx} positions is untrained (RoPE extrapolation).",
+        "",
+        "## Data",
+        "",
+        f"* Corpus: every `.py` file of this machine's CPython {_pyver()} standard library "
+        f"(`vllm_loopspec.tools.tokenizer.stdlib_files()`: no `test`/`tests`/`idle_test` dirs, no site-packages), "
+        f"one stream per split, each file followed by `<|endoftext|>`.",
+        f"* Split by file: {corpus['split']}. Train: {corpus['train_files']} files, {corpus['train_bytes'] / 1e6:.1f} MB, "
+        f"{corpus['train_tokens']:,} tokens. Held out: {corpus['held_out_files']} files, "
+        f"{corpus['held_out_bytes'] / 1e6:.1f} MB, {corpus['held_out_tokens']:,} tokens.",
+        f"* Tokenizer: byte-level BPE (`vllm_loopspec.tools.tokenizer.train_bpe`), vocab {cfg['vocab_size']}, trained "
+        f"on the training split only; ~{corpus['train_bytes'] / corpus['train_tokens']:.2f} bytes/token.",
+        "",
+        "## Training",
+        "",
+        f"* {steps} steps x {batch} sequences x {ctx} tokens = {tokens:,} tokens "
+        f"({tokens / corpus['train_tokens']:.2f} epochs of the training split), random windows drawn by a "
+        f"generator seeded with (seed={args['seed']}, step).",
+        f"* AdamW (betas 0.9/0.95, weight decay {args['weight_decay']} on matrices), peak LR {args['lr']}, "
+        f"{args['warmup']} warm-up steps then cosine to {args['min_lr_ratio']}x, grad-clip {args['clip']}, float32 "
+        f"(bf16 autocast is available with `--bf16` but is slower on this CPU, which has no bf16 units).",
+        f"* Hardware: a 2-core AMD EPYC VM, `torch.set_num_threads({args['threads']})`, shared with other jobs while "
+        f"training. Training time {train_s / 60:.1f} min (steps only)"
+        + (f"; wall time of the whole run including periodic held-out evals and state saves {wall_s / 60:.1f} min." if wall_s else "."),
+        f"* Size: the brief's suggested shape (hidden 256, 4 layers) measured ~12-20 s per 4k-token step on this shared "
+        f"CPU, i.e. under half a million tokens in 45 minutes. Halving the layers per loop (2 layers x 4 loops = 8 "
+        f"layer applications) keeps the width, heads, GQA and vocab and gives ~1.6x the tokens; in this early-training "
+        f"regime loss is set by tokens seen much more than by parameters, and a shallow loop leaves more for later "
+        f"loops to add, which is the loop structure this checkpoint is for.",
+        "",
+        "### Objective",
+        "",
+        "With `L_t` the per-token next-token loss of loop `t`'s exit `lm_head(h_t)`:",
+        "",
+        "    loss = (1/R) * sum_t mean(L_t)                              # LM: uniform over loops",
+        f"         + mean( sum_t p_t * stopgrad(L_t) ) - {log['beta']} * mean(H(p))   # exit gate only",
+        "",
+        "where `p_t` is Ouro's exit distribution from the gate (`OuroReference.exit_probabilities`), computed on",
+        "detached hidden states, so the second line trains only `model.early_exit_gate`.",
+        "",
+        "**Why uniform per-loop weighting for the LM.** Every loop's exit must be a usable predictor: loopspec drafts",
+        "with loop `d`'s logits and verifies with loop `R`'s, and adaptive exit reads any loop. Weighting the LM loss by",
+        "the learned exit distribution (Ouro's stage-1 objective) lets the gate move mass to deep loops early in",
+        "training, which starves the shallow loops of gradient unless the entropy term is tuned against it; with a",
+        "budget of a few hundred steps there is no room to tune that. A uniform mean gives every loop the same",
+        "gradient weight from step one and is the simplest objective with that property. The gate still learns",
+        "Ouro's expected-loss-under-exit-distribution objective with the entropy regulariser (beta = 0.05), but",
+        "against detached losses, so it only learns where to exit and cannot reweight the LM.",
+        "",
+        "## Held-out results",
+        "",
+        f"`python -m vllm_loopspec.training.evaluate {args['out']}` -> `eval.json`. Teacher-forced numbers: "
+        f"{tf['tokens']:,} held-out tokens ({ev['held_out']['context']}-token windows). Along generation: "
+        f"{gen['prompts']} held-out prompts of {gen['prompt_tokens']} tokens, {gen['new_tokens']} greedy full-depth "
+        f"tokens each; at each generated position, does loop `d`'s argmax equal the token loop `R` chose?",
+        "",
+        fmt_row(["loop", "loss", "ppl", "next-token acc", "argmax = loop R (teacher-forced)",
+                 "argmax = loop R (greedy continuations)", "mean exit prob"]),
+        fmt_row(["---"] * 7),
+    ]
+    for t in range(R):
+        d = str(t + 1)
+        lines.append(fmt_row([
+            t + 1, f"{tf['loss_per_loop'][t]:.3f}", f"{tf['ppl_per_loop'][t]:.1f}",
+            f"{tf['next_token_accuracy_per_loop'][t]:.3f}",
+            f"{tf['argmax_agreement_with_loop_R'][d]:.3f}" if t < R - 1 else "1.000",
+            f"{gen['argmax_agreement_with_loop_R'][d]:.3f}" if t < R - 1 else "1.000",
+            f"{tf['mean_exit_probability_per_loop'][t]:.3f}",
+        ]))
+    lines += [
+        "",
+        "Simulated greedy loopspec along those continuations (mean tokens emitted per round = accepted drafts + 1,",
+        "rounds tiling each continuation; an upper bound on `E` since it ignores EOS and length limits):",
+        "",
+        fmt_row(["draft loops d", "K=1", "K=2", "K=4", "K=8"]),
+        fmt_row(["---"] * 5),
+    ]
+    for d, row in gen["simulated_greedy_loopspec_tokens_per_round"].items():
+        lines.append(fmt_row([d] + [f"{row[k]:.2f}" for k in ("1", "2", "4", "8")]))
+    lines += [""]
+    if has_plot:
+        lines += ["![per-loop loss](loss_curve.png)", ""]
+    lines += [
+        "The full per-loop training curve (every 10 steps: per-loop loss, gate loss and entropy, mean exit",
+        "probabilities, LR, grad norm) and the periodic held-out per-loop losses are in `train_log.json`.",
+        "",
+    ]
+    for ex in (gen.get("examples") or [])[:2]:
+        lines += [
+            "Held-out prompt (last 48 tokens):",
+            "",
+            "```python",
+            ex["prompt_tail"],
+            "```",
+            "",
+            f"Greedy full-depth continuation ({gen['new_tokens']} tokens):",
+            "",
+            "```python",
+            ex["continuation"],
+            "```",
+            "",
+        ]
+    lines += [
+        "## Reproduce",
+        "",
+        "From the repository root, with the project installed (`pip install -e .`; CPU torch):",
+        "",
+        "```bash",
+        reproduce,
+        f"python -m vllm_loopspec.training.evaluate {args['out']}",
+        "pip install matplotlib  # optional, for loss_curve.png",
+        f"python -m vllm_loopspec.training.card {args['out']}" + (f" --wall-s {wall_s:.0f}" if wall_s else ""),
+        "```",
+        "",
+        "The trainer caches the tokenizer, the token ids (`.npy`) and a training state (every 20 steps; `--resume`",
+        f"continues from it) under `{Path(args['cache_dir']).name}/` in the repository's git-ignored `.cache/`.",
+        "Same seed, same torch build and same thread count give the same batches and, up to floating-point",
+        "reduction order, the same weights; the exact bytes below are those of this run.",
+        "",
+        "## Files (sha256)",
+        "",
+        "`sha256.json` lists the same hashes (and this card's), and `tests/test_checkpoint_trained.py` checks them.",
+        "",
+        fmt_row(["file", "sha256"]),
+        fmt_row(["---", "---"]),
+    ]
+    for name, h in sorted(hashes.items()):
+        lines.append(fmt_row([f"`{name}`", f"`{h}`"]))
+    return "\n".join(lines) + "\n"
+
+
+def _pyver() -> str:
+    import sys
+
+    return ".".join(map(str, sys.version_info[:3]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ckpt", type=Path)
+    ap.add_argument("--wall-s", type=float, default=None, help="wall time of the whole training run, seconds")
+    args = ap.parse_args(argv)
+    ckpt = args.ckpt
+    log = json.loads((ckpt / "train_log.json").read_text())
+    targs = json.loads((ckpt / "training_args.json").read_text())
+    cfg = json.loads((ckpt / "config.json").read_text())
+    ev = json.loads((ckpt / "eval.json").read_text())
+    has_plot = plot(ckpt, log)
+    skip = {CARD_NAME, SHA_NAME}
+    hashes = {p.name: sha256(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name not in skip}
+    (ckpt / CARD_NAME).write_text(card_text(ckpt, log, targs, cfg, ev, args.wall_s, has_plot, hashes))
+    hashes[CARD_NAME] = sha256(ckpt / CARD_NAME)
+    (ckpt / SHA_NAME).write_text(json.dumps(dict(sorted(hashes.items())), indent=2) + "\n")
+    print(f"wrote {ckpt / CARD_NAME}, {ckpt / SHA_NAME}" + (", loss_curve.png" if has_plot else ""))
+
+
+if __name__ == "__main__":
+    main()
