@@ -5,7 +5,9 @@ vLLM 0.32 has no extension point for a new speculative method: its
 on it. loopspec therefore rides on the built-in ``custom_class`` method (which
 gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
 and metrics) and translates the user's ``loopspec`` request into it. Two
-functions are wrapped; nothing else is modified.
+functions are wrapped (:func:`apply`), and on CPU one broken kernel fallback
+of vLLM is replaced (:func:`fix_cpu_expand_kernel`). The worker classes in
+``runner`` are vLLM's documented ``--worker-cls`` extension point, not patches.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+
+import torch
 
 from vllm_loopspec.spec.options import (
     LoopSpecConfigError,
@@ -82,6 +86,34 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         "model": PROPOSER_CLASS,
         "num_speculative_tokens": opts.num_speculative_tokens,
     }
+
+
+def expand_batch_to_tokens_cpu(output, input_val, cu_num_tokens, replace_from, replace_to,
+                               MAX_NUM_TOKENS=None) -> None:
+    """``output[start_i:end_i] = input_val[i]`` (``replace_from`` → ``replace_to``),
+    for integer and floating inputs alike."""
+    counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    total = int(counts.sum())
+    output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def fix_cpu_expand_kernel() -> None:
+    """Patch 3 — CPU fallback of ``vllm.v1.sample.rejection_sampler.expand_kernel``.
+
+    vLLM 0.32's CPU override (``vllm.utils.cpu_triton_utils._expand_kernel_impl``)
+    casts its input and output to int64, so expanding the float per-request
+    temperature/top-p to per-token values returns garbage (~1e-15) and every
+    *sampled* speculative request on CPU is verified against a wrong target.
+    Register a correct implementation. Must run after the platform's own
+    ``register_triton_kernel_overrides`` (the loopspec worker calls it)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_to_tokens_cpu})
 
 
 def apply() -> None:

@@ -21,7 +21,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_loopspec.spec.options import LoopSpecOptions
-from vllm_loopspec.spec.patches import ADDITIONAL_CONFIG_KEY
+from vllm_loopspec.spec.patches import ADDITIONAL_CONFIG_KEY, fix_cpu_expand_kernel
 from vllm_loopspec.spec.round import RoundLayout, run_round
 from vllm_loopspec.spec.stats import LoopSpecStats
 
@@ -47,8 +47,7 @@ class _StepPasses:
         self.anchor_positions: np.ndarray | None = None  # per row, set by the runner
         self.d = runner.loopspec.draft_loops
         self.loops = runner.model.num_loops
-        self.random_rows: dict[int, torch.Tensor] = {}  # row -> q per draft step
-        self.q_rows: dict[tuple[int, int], torch.Tensor] = {}
+        self.q_rows: dict[tuple[int, int], torch.Tensor] = {}  # (row, step) -> q
 
     def shallow(self, token_index: np.ndarray, token_ids: torch.Tensor) -> torch.Tensor:
         rows, counts = np.unique(self.row_of_token[token_index], return_counts=True)
@@ -99,25 +98,32 @@ class _StepPasses:
                  for r, t in zip(rows.tolist(), tokens)],
                 dtype=tokens.dtype, device=tokens.device)
         meta = self.runner.input_batch.sampling_metadata
-        if meta.all_greedy:
+        if meta.all_greedy or meta.temperature is None:
             return tokens
-        for k, row in enumerate(rows.tolist()):
-            if meta.temperature is None or float(meta.temperature[row]) <= 0:
-                continue  # greedy row
-            q = self._processed_probs(logits[k : k + 1], row, meta)[0]
+        row_idx = torch.from_numpy(rows).to(logits.device)
+        temperature = meta.temperature[row_idx].float()
+        sampled = temperature > 0  # greedy rows carry a non-positive temperature
+        if not bool(sampled.any()):
+            return tokens
+        which = sampled.nonzero().squeeze(-1)
+        q = self._processed_probs(logits[which], temperature[which], row_idx[which], meta)
+        noise = torch.empty_like(q).exponential_()
+        for j, row in enumerate(row_idx[which].tolist()):
             gen = meta.generators.get(row)
-            noise = torch.empty_like(q).exponential_(generator=gen)
-            tokens[k] = (q / noise).argmax()
-            self.q_rows[(row, step)] = q
+            if gen is not None:  # seeded requests draw from their own stream
+                noise[j].exponential_(generator=gen)
+        tokens[which] = (q / noise).argmax(dim=-1)
+        for k, row_q in zip(which.tolist(), q):
+            self.q_rows[(int(rows[k]), step)] = row_q
         return tokens
 
     @staticmethod
-    def _processed_probs(logits: torch.Tensor, row: int, meta) -> torch.Tensor:
-        """The draft distribution q with the request's temperature, top-k and
+    def _processed_probs(logits, temperature, rows, meta) -> torch.Tensor:
+        """The draft distribution q with the requests' temperature, top-k and
         top-p — the same processing vLLM's rejection sampler applies to p."""
-        logits = logits / meta.temperature[row]
-        top_k = meta.top_k[row : row + 1] if meta.top_k is not None else None
-        top_p = meta.top_p[row : row + 1] if meta.top_p is not None else None
+        logits = logits / temperature.unsqueeze(-1)
+        top_k = meta.top_k[rows] if meta.top_k is not None else None
+        top_p = meta.top_p[rows] if meta.top_p is not None else None
         logits = apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1, dtype=torch.float32)
 
@@ -275,6 +281,7 @@ class LoopSpecCPUWorker(CPUWorker):
     """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
 
     def init_device(self) -> None:
+        fix_cpu_expand_kernel()
         # CPUWorker.init_device builds its runner by looking up the module
         # global ``CPUModelRunner``; point it at ours for that call only.
         import vllm.v1.worker.cpu_worker as cpu_worker

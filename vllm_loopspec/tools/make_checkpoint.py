@@ -41,7 +41,28 @@ PRESETS: dict[str, dict] = {
         bos_token_id=0,
         eos_token_id=0,
     ),
+    # A 16-token vocabulary: exact distributions are cheap to enumerate, for
+    # statistical tests of sampled speculation. No tokenizer (pass token ids).
+    "tiny-v16": dict(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        total_ut_steps=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
 }
+
+# Below this size a BPE over bytes makes no sense; such presets ship no tokenizer.
+MIN_TOKENIZER_VOCAB = 300
 
 
 def preset_config(name: str) -> OuroConfig:
@@ -83,7 +104,7 @@ def make_checkpoint(out: Path, preset: str = "tiny", seed: int = 0, config_only:
         model = OuroReference(cfg)
         init_random(model, seed)
         model.save_pretrained(out, dtype=dtype)
-    if cfg.vocab_size <= 8192:
+    if MIN_TOKENIZER_VOCAB <= cfg.vocab_size <= 8192:
         tok = train_bpe(read_texts(stdlib_files(tokenizer_files)), cfg.vocab_size)
         save_tokenizer(tok, out, cfg.max_position_embeddings)
     return out

@@ -1,0 +1,101 @@
+"""How users turn loopspec on, and the setups it refuses (with what to do),
+all before an engine starts."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from vllm.engine.arg_utils import EngineArgs
+
+from vllm_loopspec.spec.patches import CPU_WORKER_CLASS, PROPOSER_CLASS, parse_speculative_config_arg
+
+
+def _config(ckpt, spec, **kw):
+    args = dict(model=str(ckpt), dtype="float32", max_model_len=256, speculative_config=spec)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
+    for spec, k, d in [({"method": "loopspec"}, 4, 2),
+                       ({"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 3}, 8, 3),
+                       ("loopspec", 4, 2)]:
+        cfg = _config(tiny_checkpoint, spec)
+        assert cfg.speculative_config.method == "custom_class"
+        assert cfg.speculative_config.model == PROPOSER_CLASS
+        assert cfg.speculative_config.num_speculative_tokens == k
+        assert cfg.additional_config["loopspec"]["draft_loops"] == d
+        assert cfg.parallel_config.worker_cls == CPU_WORKER_CLASS
+
+
+def test_cli_parses_bare_word():
+    assert parse_speculative_config_arg("loopspec") == {"method": "loopspec"}
+    assert parse_speculative_config_arg('{"method":"loopspec","draft_loops":1}') == {
+        "method": "loopspec", "draft_loops": 1}
+    assert parse_speculative_config_arg('{"method":"ngram","num_speculative_tokens":3}')["method"] == "ngram"
+
+
+@pytest.mark.parametrize(
+    "spec, kwargs, words",
+    [
+        ({"method": "loopspec", "num_speculative_tokens": 0}, {}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "loopspec", "num_speculative_tokens": 129}, {}, "exceeds vLLM's rejection sampler limit"),
+        ({"method": "loopspec", "draft_loops": 4}, {}, "1 <= draft_loops < total_ut_steps (4)"),
+        ({"method": "loopspec", "draft_loops": 0}, {}, "1 <= draft_loops < total_ut_steps (4)"),
+        ({"method": "loopspec", "K": 4}, {}, "unknown loopspec option(s) ['K']"),
+        ({"method": "loopspec"}, {"async_scheduling": True}, "remove --async-scheduling"),
+        ({"method": "loopspec"}, {"worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker"}, "remove --worker-cls"),
+        ({"method": "loopspec"}, {"hf_overrides": {"early_exit_threshold": 0.5}}, "needs fixed-depth decoding"),
+    ],
+)
+def test_refused_setups_say_what_to_change(tiny_checkpoint, spec, kwargs, words):
+    with pytest.raises(Exception) as err:
+        _config(tiny_checkpoint, spec, **kwargs)
+    assert words in str(err.value)
+
+
+def test_non_ouro_model_is_refused(tmp_path):
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+        "num_key_value_heads": 4, "vocab_size": 256, "max_position_embeddings": 512}))
+    with pytest.raises(Exception) as err:
+        _config(llama, {"method": "loopspec"})
+    assert "loopspec needs an Ouro looped model" in str(err.value)
+    assert "LlamaForCausalLM" in str(err.value)
+
+
+@pytest.mark.slow
+def test_vllm_serve_refuses_before_listening(tiny_checkpoint):
+    """The CLI exits with the message, without binding a port."""
+    from vllm_loopspec.server_process import free_port, vllm_command
+
+    port = free_port()
+    t = time.time()
+    out = subprocess.run(
+        [vllm_command(), "serve", str(tiny_checkpoint), "--port", str(port),
+         "--speculative-config", '{"method":"loopspec","draft_loops":7}'],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "1 <= draft_loops < total_ut_steps (4)" in out.stderr + out.stdout
+    assert "Uvicorn running" not in out.stderr + out.stdout
+    assert time.time() - t < 120
+
+
+def test_cpu_expand_kernel_fix_handles_floats_and_ints():
+    """vLLM 0.32's CPU fallback returns garbage for float inputs (see
+    patches.fix_cpu_expand_kernel); ours expands both."""
+    import torch
+
+    from vllm_loopspec.spec.patches import expand_batch_to_tokens_cpu
+
+    out = torch.empty(5)
+    expand_batch_to_tokens_cpu(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 4, 5]), -1, 1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.3])
+    out_i = torch.empty(4, dtype=torch.int64)
+    expand_batch_to_tokens_cpu(out_i, torch.tensor([5, 0]), torch.tensor([1, 4]), 0, 9)
+    assert out_i.tolist() == [5, 9, 9, 9]
