@@ -17,6 +17,19 @@ import json
 from pathlib import Path
 
 CARD_NAME = "README.md"
+
+SIZE_NOTES = {
+    "h256l2": (
+        "chosen from measured step times. The suggested shape (hidden 256, 4 layers per loop) took 12-45 s per "
+        "16x256-token step here while other jobs shared the CPU (measured before the trainer set "
+        "`OMP_WAIT_POLICY=PASSIVE`, which later cut step times about 3x under contention), i.e. well under half a "
+        "million tokens in 45 minutes. Halving the layers per loop (2 layers x 4 loops = 8 layer applications, "
+        "~0.6x the FLOPs per token) keeps the width, heads, GQA and vocab; in this early-training regime the loss "
+        "is set by tokens seen far more than by parameters, and a shallow loop leaves room for later loops to add "
+        "something, which is the loop structure this checkpoint is for. With the wait-policy fix the 4-layer "
+        "shape would fit roughly 350 steps of this size in the same time (`--size h256l4`)."
+    ),
+}
 SHA_NAME = "sha256.json"
 
 
@@ -60,7 +73,8 @@ def fmt_row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: float | None, has_plot: bool, hashes: dict) -> str:
+def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: float | None, has_plot: bool,
+              hashes: dict, note: str | None = None) -> str:
     R = cfg["total_ut_steps"]
     tf, gen = ev["teacher_forced"], ev["greedy_continuations"]
     corpus = log["corpus"]
@@ -116,12 +130,10 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
         f"(bf16 autocast is available with `--bf16` but is slower on this CPU, which has no bf16 units).",
         f"* Hardware: a 2-core AMD EPYC VM, `torch.set_num_threads({args['threads']})`, shared with other jobs while "
         f"training. Training time {train_s / 60:.1f} min (steps only)"
-        + (f"; wall time of the whole run including periodic held-out evals and state saves {wall_s / 60:.1f} min." if wall_s else "."),
-        f"* Size: the brief's suggested shape (hidden 256, 4 layers) measured ~12-20 s per 4k-token step on this shared "
-        f"CPU, i.e. under half a million tokens in 45 minutes. Halving the layers per loop (2 layers x 4 loops = 8 "
-        f"layer applications) keeps the width, heads, GQA and vocab and gives ~1.6x the tokens; in this early-training "
-        f"regime loss is set by tokens seen much more than by parameters, and a shallow loop leaves more for later "
-        f"loops to add, which is the loop structure this checkpoint is for.",
+        + (f"; wall time of the whole run including periodic held-out evals and state saves {wall_s / 60:.1f} min." if wall_s else ".")
+        + (f" {note}" if note else ""),
+        f"* Size: {SIZE_NOTES.get(args['size'], 'see `vllm_loopspec.training.train.SIZES`.')} This run averaged "
+        f"{train_s / steps:.1f} s per {batch}x{ctx}-token step.",
         "",
         "### Objective",
         "",
@@ -135,9 +147,10 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
         "",
         "**Why uniform per-loop weighting for the LM.** Every loop's exit must be a usable predictor: loopspec drafts",
         "with loop `d`'s logits and verifies with loop `R`'s, and adaptive exit reads any loop. Weighting the LM loss by",
-        "the learned exit distribution (Ouro's stage-1 objective) lets the gate move mass to deep loops early in",
-        "training, which starves the shallow loops of gradient unless the entropy term is tuned against it; with a",
-        "budget of a few hundred steps there is no room to tune that. A uniform mean gives every loop the same",
+        "the learned exit distribution (Ouro's stage-1 objective) lets the gate concentrate mass on whichever loops",
+        "are best at the moment (early in this run that was loop 1: see `exit_prob_mean` in `train_log.json`), which",
+        "starves the other loops of gradient unless the entropy term is tuned against it; a budget of a few hundred",
+        "steps leaves no room to tune that. A uniform mean gives every loop the same",
         "gradient weight from step one and is the simplest objective with that property. The gate still learns",
         "Ouro's expected-loss-under-exit-distribution objective with the entropy regulariser (beta = 0.05), but",
         "against detached losses, so it only learns where to exit and cannot reweight the LM.",
@@ -164,8 +177,8 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
         ]))
     lines += [
         "",
-        "Simulated greedy loopspec along those continuations (mean tokens emitted per round = accepted drafts + 1,",
-        "rounds tiling each continuation; an upper bound on `E` since it ignores EOS and length limits):",
+        "Greedy loopspec replayed along those continuations (mean tokens emitted per round = accepted drafts + 1,",
+        "rounds tiling each continuation, no EOS or `max_tokens` cuts):",
         "",
         fmt_row(["draft loops d", "K=1", "K=2", "K=4", "K=8"]),
         fmt_row(["---"] * 5),
@@ -176,6 +189,11 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
     if has_plot:
         lines += ["![per-loop loss](loss_curve.png)", ""]
     lines += [
+        "Greedy decoding of a model this small falls into repetition within a few dozen tokens (examples below),",
+        "and repetition is easy for shallow loops to predict: agreement along continuations is higher than",
+        "teacher-forced and rises with position (`agreement_by_position_quarter` in `eval.json`). Benchmarks that",
+        "want acceptance rates closer to teacher-forced text should use short generations or sampling.",
+        "",
         "The full per-loop training curve (every 10 steps: per-loop loss, gate loss and entropy, mean exit",
         "probabilities, LR, grad norm) and the periodic held-out per-loop losses are in `train_log.json`.",
         "",
@@ -204,13 +222,16 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
         reproduce,
         f"python -m vllm_loopspec.training.evaluate {args['out']}",
         "pip install matplotlib  # optional, for loss_curve.png",
-        f"python -m vllm_loopspec.training.card {args['out']}" + (f" --wall-s {wall_s:.0f}" if wall_s else ""),
+        f"python -m vllm_loopspec.training.card {args['out']}" + (f" --wall-s {wall_s:.0f}" if wall_s else "")
+        + (" --note '...'" if note else ""),
         "```",
         "",
         "The trainer caches the tokenizer, the token ids (`.npy`) and a training state (every 20 steps; `--resume`",
         f"continues from it) under `{Path(args['cache_dir']).name}/` in the repository's git-ignored `.cache/`.",
-        "Same seed, same torch build and same thread count give the same batches and, up to floating-point",
-        "reduction order, the same weights; the exact bytes below are those of this run.",
+        "The batches depend only on (seed, step) and the tokenizer training is deterministic, so a rerun sees the",
+        "same data; a run stopped and resumed gives byte-identical weights to an uninterrupted one (checked with",
+        "`--size micro`). Across machines or torch builds the weights agree up to floating-point reduction order;",
+        "the exact bytes below are those of this run.",
         "",
         "## Files (sha256)",
         "",
@@ -234,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", type=Path)
     ap.add_argument("--wall-s", type=float, default=None, help="wall time of the whole training run, seconds")
+    ap.add_argument("--note", default=None, help="extra sentence for the training section (e.g. aborted attempts)")
     args = ap.parse_args(argv)
     ckpt = args.ckpt
     log = json.loads((ckpt / "train_log.json").read_text())
@@ -243,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     has_plot = plot(ckpt, log)
     skip = {CARD_NAME, SHA_NAME}
     hashes = {p.name: sha256(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name not in skip}
-    (ckpt / CARD_NAME).write_text(card_text(ckpt, log, targs, cfg, ev, args.wall_s, has_plot, hashes))
+    (ckpt / CARD_NAME).write_text(card_text(ckpt, log, targs, cfg, ev, args.wall_s, has_plot, hashes, args.note))
     hashes[CARD_NAME] = sha256(ckpt / CARD_NAME)
     (ckpt / SHA_NAME).write_text(json.dumps(dict(sorted(hashes.items())), indent=2) + "\n")
     print(f"wrote {ckpt / CARD_NAME}, {ckpt / SHA_NAME}" + (", loss_curve.png" if has_plot else ""))
