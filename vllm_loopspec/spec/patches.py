@@ -76,6 +76,9 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
             f"loopspec brings its own worker ({worker}); remove --worker-cls "
             f"{target_parallel_config.worker_cls}."
         )
+    from vllm_loopspec.spec.metrics import enable_in_frontend
+
+    enable_in_frontend()
     target_parallel_config.worker_cls = worker
     engine_args.worker_cls = worker
     additional = dict(engine_args.additional_config or {})

@@ -20,6 +20,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_loopspec.spec.metrics import SnapshotWriter
 from vllm_loopspec.spec.options import LoopSpecOptions
 from vllm_loopspec.spec.patches import ADDITIONAL_CONFIG_KEY, fix_cpu_expand_kernel
 from vllm_loopspec.spec.round import RoundLayout, run_round
@@ -138,6 +139,7 @@ class LoopSpecRunnerMixin:
                                "use --speculative-config loopspec")
         self.loopspec = LoopSpecOptions.from_dict(raw)
         self.loopspec_stats = LoopSpecStats()
+        self._loopspec_metrics = SnapshotWriter(self.loopspec_stats.as_dict)
         self._loopspec_sdm = None
         self._loopspec_cm = None
         # Test hooks (None in serving): replace greedy drafts
