@@ -1,5 +1,6 @@
-"""``make demo``: serve the bundled Ouro checkpoint with ``vllm serve`` and
-stream a completion through the OpenAI API.
+"""``make demo``: serve the bundled Ouro checkpoint with ``vllm serve
+--speculative-config loopspec``, stream a completion through the OpenAI API,
+and print the acceptance figures from ``/metrics``.
 
 The bundled checkpoint is ``checkpoints/ouro-stdlib`` (trained here on the
 Python standard library). Without it the demo falls back to a tiny random
@@ -34,8 +35,11 @@ def default_checkpoint() -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--checkpoint", type=Path, default=None)
-    ap.add_argument("--prompt", default="def read_config(path):\n")
+    ap.add_argument("--prompt", default='def read_config(path):\n    """Read')
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--speculative-config", default="loopspec",
+                    help='loopspec (default), JSON such as {"method":"loopspec","num_speculative_tokens":4}, '
+                         'or "none" for native decoding')
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra argument for vllm serve (repeatable)")
     args = ap.parse_args()
@@ -44,6 +48,8 @@ def main() -> None:
     log.parent.mkdir(exist_ok=True)
     serve_args = ["--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5",
                   "--enforce-eager", *args.serve_arg]
+    if args.speculative_config != "none":
+        serve_args += ["--speculative-config", args.speculative_config]
     print(f"[demo] vllm serve {ckpt} {' '.join(serve_args)}  (log: {log})", flush=True)
     t0 = time.time()
     with VllmServer(ckpt, *serve_args, log_path=log) as srv:
@@ -63,12 +69,34 @@ def main() -> None:
         sys.stdout.write("\033[0m\n")
         elapsed = time.time() - t1
         print(f"[demo] {chunks} streamed chunks in {elapsed:.2f}s")
-        spec = [line for line in srv.metrics().splitlines()
-                if line.startswith(("vllm:spec_decode", "loopspec:")) and not line.startswith("#")]
-        if spec:
-            print("[demo] speculation metrics:\n  " + "\n  ".join(spec))
-        else:
-            print("[demo] (no speculation configured: native decoding)")
+        time.sleep(0.5)  # loopspec's worker counters are flushed every 0.2 s
+        print_acceptance(srv.metrics())
+
+
+def _values(metrics: str, name: str) -> list[tuple[str, float]]:
+    out = []
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels = line[len(name):].rsplit(" ", 1)[0]
+            out.append((labels, float(line.rsplit(" ", 1)[1])))
+    return out
+
+
+def print_acceptance(metrics: str) -> None:
+    drafts = sum(v for _, v in _values(metrics, "vllm:spec_decode_num_drafts_total"))
+    if not drafts:
+        print("[demo] native decoding (no speculation)")
+        return
+    drafted = sum(v for _, v in _values(metrics, "vllm:spec_decode_num_draft_tokens_total"))
+    accepted = sum(v for _, v in _values(metrics, "vllm:spec_decode_num_accepted_tokens_total"))
+    per_pos = sorted(((int(labels.split('position="')[1].split('"')[0]), v)
+                      for labels, v in _values(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")))
+    rounds = sum(v for _, v in _values(metrics, "loopspec:rounds_total"))
+    print(f"[demo] loopspec: {int(drafts)} request-rounds, {int(drafted)} drafted, {int(accepted)} accepted "
+          f"({accepted / drafted:.0%}); {1 + accepted / drafts:.2f} tokens per round; {int(rounds)} engine steps")
+    if per_pos:
+        print("[demo] accepted at draft position: " + ", ".join(
+            f"{pos + 1}: {v / drafts:.0%}" for pos, v in per_pos))
 
 
 if __name__ == "__main__":
