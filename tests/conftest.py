@@ -48,26 +48,27 @@ def tokenizer(tiny_checkpoint):
     return AutoTokenizer.from_pretrained(str(tiny_checkpoint))
 
 
+# Every in-process engine stays alive until the session ends: shutting one
+# down tears down vLLM's process-global parallel state, which breaks every
+# other engine still in use in this process.
+_ENGINES: list = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _keep_engines_until_session_end():
+    yield
+    _ENGINES.clear()
+
+
 @pytest.fixture(scope="session")
 def native_llm(tiny_checkpoint):
     """vLLM engine on the tiny checkpoint, fp32, no speculation."""
-    from vllm import LLM
-
-    llm = LLM(
-        str(tiny_checkpoint),
-        dtype="float32",
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
-        max_num_seqs=16,
-        gpu_memory_utilization=0.5,
-        enforce_eager=True,
-        seed=0,
-    )
-    yield llm
-    del llm
+    return make_llm(tiny_checkpoint)
 
 
 def make_llm(checkpoint, speculative_config=None, **overrides):
+    """An in-process engine with the tests' shape. 64 KV blocks (8192 token
+    slots) keep the many engines of a session small."""
     from vllm import LLM
 
     kwargs = dict(
@@ -79,9 +80,12 @@ def make_llm(checkpoint, speculative_config=None, **overrides):
         enforce_eager=True,
         seed=0,
         disable_log_stats=False,
+        num_gpu_blocks_override=64,
     )
     kwargs.update(overrides)
-    return LLM(str(checkpoint), speculative_config=speculative_config, **kwargs)
+    llm = LLM(str(checkpoint), speculative_config=speculative_config, **kwargs)
+    _ENGINES.append(llm)
+    return llm
 
 
 @pytest.fixture(scope="session")

@@ -48,8 +48,7 @@ def v16(tmp_path_factory):
 def v16_llm(v16):
     llm = make_llm(v16[0], {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1},
                    skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048)
-    yield llm
-    del llm
+    return llm
 
 
 def processed(logits: torch.Tensor, temperature: float, top_k=None, top_p=None) -> torch.Tensor:

@@ -123,18 +123,15 @@ def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm,
     vLLM to preempt and recompute; loopspec output must stay native."""
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2},
                    num_gpu_blocks_override=6, max_model_len=512)
-    try:
-        prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
-        params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
-        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-        want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
-        assert got == want
-        sched_stats = engine_core(llm).scheduler
-        assert sched_stats.kv_cache_manager.block_pool.num_gpu_blocks == 6
-        assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
-            "the workload did not preempt"
-    finally:
-        del llm
+    prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
+    params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    sched_stats = engine_core(llm).scheduler
+    assert sched_stats.kv_cache_manager.block_pool.num_gpu_blocks == 6
+    assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
+        "the workload did not preempt"
 
 
 def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
@@ -142,18 +139,15 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     every output token comes from prefill, an accepted draft, a round's
     correction/bonus token, or a step without drafts."""
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 3, "draft_loops": 1})
-    try:
-        params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
-        outs = llm.generate(SHORT, params, use_tqdm=False)
-        total = sum(len(o.outputs[0].token_ids) for o in outs)
-        stats = model_runner(llm).loopspec_stats
-        m = spec_metrics(llm)
-        assert m["vllm:spec_decode_num_drafts"] == stats.speculating_rows
-        assert m["vllm:spec_decode_num_draft_tokens"] == stats.drafted_tokens
-        accepted = m["vllm:spec_decode_num_accepted_tokens"]
-        assert total == len(SHORT) + stats.speculating_rows + accepted + sum(stats.skipped.values())
-        per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
-        assert sum(per_pos) == accepted and len(per_pos) == 3
-        assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance is a prefix
-    finally:
-        del llm
+    params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
+    outs = llm.generate(SHORT, params, use_tqdm=False)
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    stats = model_runner(llm).loopspec_stats
+    m = spec_metrics(llm)
+    assert m["vllm:spec_decode_num_drafts"] == stats.speculating_rows
+    assert m["vllm:spec_decode_num_draft_tokens"] == stats.drafted_tokens
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    assert total == len(SHORT) + stats.speculating_rows + accepted + sum(stats.skipped.values())
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == accepted and len(per_pos) == 3
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance is a prefix

@@ -30,10 +30,11 @@ def enable_in_frontend() -> None:
     global _collector_registered
     if _collector_registered:
         return
-    if ENV_DIR not in os.environ:
-        path = tempfile.mkdtemp(prefix="loopspec-metrics-")
-        os.environ[ENV_DIR] = path
-        atexit.register(shutil.rmtree, path, True)
+    # Always a fresh directory: a value inherited from a parent process (a
+    # script that itself ran engines) belongs to that process's front end.
+    path = tempfile.mkdtemp(prefix="loopspec-metrics-")
+    os.environ[ENV_DIR] = path
+    atexit.register(shutil.rmtree, path, True)
     from prometheus_client import REGISTRY
 
     REGISTRY.register(LoopSpecCollector(Path(os.environ[ENV_DIR])))
@@ -46,7 +47,8 @@ class SnapshotWriter:
 
     def __init__(self, snapshot) -> None:
         path = os.environ.get(ENV_DIR)
-        self.file = Path(path) / f"worker-{os.getpid()}.json" if path else None
+        # One file per runner (several in-process engines share a pid).
+        self.file = Path(path) / f"worker-{os.getpid()}-{id(self):x}.json" if path else None
         self.snapshot = snapshot  # callable returning a JSON-able dict
         self.written = None
         if self.file is not None:
@@ -67,8 +69,11 @@ class SnapshotWriter:
         if snap == self.written:
             return
         tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(snap))
-        os.replace(tmp, self.file)
+        try:
+            tmp.write_text(json.dumps(snap))
+            os.replace(tmp, self.file)
+        except OSError:  # directory removed at shutdown
+            return
         self.written = snap
 
 

@@ -29,9 +29,10 @@ import torch
 
 
 class RoundPasses(Protocol):
-    def shallow(self, token_index: np.ndarray, token_ids: torch.Tensor) -> torch.Tensor:
+    def shallow(self, token_index: np.ndarray, token_ids: torch.Tensor, phase: str) -> torch.Tensor:
         """Loops ``[0, d)`` on the batch tokens at ``token_index`` (sorted,
-        grouped by row) fed with ``token_ids``; returns their loop-``d`` states."""
+        grouped by row) fed with ``token_ids``; returns their loop-``d`` states.
+        ``phase`` ("base", "draft" or "final_fill") is for profiling only."""
 
     def deep(self, shallow_states: torch.Tensor) -> torch.Tensor:
         """Loops ``[d, R)`` over every token of the batch."""
@@ -74,7 +75,7 @@ class RoundResult:
 def run_round(layout: RoundLayout, input_ids: torch.Tensor, passes: RoundPasses) -> RoundResult:
     ids = input_ids.clone()
     base = layout.non_draft_index()
-    base_states = passes.shallow(base, ids[base])
+    base_states = passes.shallow(base, ids[base], "base")
     states = base_states.new_empty((layout.num_tokens, base_states.shape[-1]))
     states[torch.from_numpy(base)] = base_states
     shallow_rows = len(base)
@@ -85,7 +86,8 @@ def run_round(layout: RoundLayout, input_ids: torch.Tensor, passes: RoundPasses)
         tokens = passes.draft(rows, step, states[torch.from_numpy(latest[rows])])
         where = latest[rows] + 1
         ids[torch.from_numpy(where)] = tokens.to(ids.dtype)
-        states[torch.from_numpy(where)] = passes.shallow(where, tokens.to(ids.dtype))
+        phase = "final_fill" if bool((layout.num_drafts[rows] == step).all()) else "draft"
+        states[torch.from_numpy(where)] = passes.shallow(where, tokens.to(ids.dtype), phase)
         latest[rows] = where
         shallow_rows += len(rows)
 

@@ -11,6 +11,9 @@ stop handling and ``spec_decode`` metrics.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import numpy as np
 import torch
 
@@ -50,7 +53,32 @@ class _StepPasses:
         self.loops = runner.model.num_loops
         self.q_rows: dict[tuple[int, int], torch.Tensor] = {}  # (row, step) -> q
 
-    def shallow(self, token_index: np.ndarray, token_ids: torch.Tensor) -> torch.Tensor:
+    def shallow(self, token_index: np.ndarray, token_ids: torch.Tensor, phase: str) -> torch.Tensor:
+        with self._timed(phase):
+            return self._shallow(token_index, token_ids)
+
+    def deep(self, shallow_states: torch.Tensor) -> torch.Tensor:
+        with self._timed("verify"):
+            return self._deep(shallow_states)
+
+    def draft(self, rows: np.ndarray, step: int, shallow_states: torch.Tensor) -> torch.Tensor:
+        with self._timed("draft_logits"):
+            return self._draft(rows, step, shallow_states)
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """Accumulate wall time per phase when a profile dict is attached."""
+        profile = self.runner.loopspec_profile
+        if profile is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            profile[phase] = profile.get(phase, 0.0) + time.perf_counter() - start
+
+    def _shallow(self, token_index: np.ndarray, token_ids: torch.Tensor) -> torch.Tensor:
         rows, counts = np.unique(self.row_of_token[token_index], return_counts=True)
         last = np.cumsum(counts) - 1
         seq_lens = self.positions_np[token_index[last]] + 1
@@ -83,12 +111,12 @@ class _StepPasses:
         self.runner.loopspec_stats.count_loop_rows(range(0, self.d), len(token_index))
         return h
 
-    def deep(self, shallow_states: torch.Tensor) -> torch.Tensor:
+    def _deep(self, shallow_states: torch.Tensor) -> torch.Tensor:
         # Runs in the runner's own forward context: all scheduled tokens.
         self.runner.loopspec_stats.count_loop_rows(range(self.d, self.loops), shallow_states.shape[0])
         return self.model.model.run_loops(shallow_states, self.positions, self.d, self.loops)
 
-    def draft(self, rows: np.ndarray, step: int, shallow_states: torch.Tensor) -> torch.Tensor:
+    def _draft(self, rows: np.ndarray, step: int, shallow_states: torch.Tensor) -> torch.Tensor:
         logits = self.model.compute_logits(shallow_states).float()
         tokens = logits.argmax(dim=-1)
         override = self.runner.loopspec_draft_override
@@ -147,6 +175,8 @@ class LoopSpecRunnerMixin:
         # each round's positions, KV slots and tokens per request.
         self.loopspec_draft_override = None
         self.loopspec_trace: list[dict] | None = None
+        # Profiling hook (benchmarks): phase -> accumulated seconds.
+        self.loopspec_profile: dict[str, float] | None = None
 
     @property
     def loopspec_layer_names(self) -> list[str]:
