@@ -43,23 +43,22 @@ def load_prompts(name: str) -> list[str]:
 
 
 def spec_counters(llm) -> dict:
-    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
-    for m in llm.get_metrics():
-        if m.name == "vllm:spec_decode_num_drafts":
-            out["drafts"] = m.value
-        elif m.name == "vllm:spec_decode_num_draft_tokens":
-            out["draft_tokens"] = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            out["accepted"] = m.value
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            out["per_pos"] = list(m.values)
-    return out
+    """This engine's acceptance counters (loopspec's per-runner stats: vLLM's
+    Prometheus counters are process-wide and belong to the newest engine)."""
+    stats = getattr(runner_of(llm), "loopspec_stats", None)
+    if stats is None:
+        return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
+    return {"drafts": stats.speculating_rows, "draft_tokens": stats.drafted_tokens,
+            "accepted": stats.accepted_tokens, "per_pos": list(stats.accepted_per_pos),
+            "drafted_per_pos": list(stats.drafted_per_pos)}
 
 
 def counter_delta(after: dict, before: dict) -> dict:
-    per_pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
-               for i, a in enumerate(after["per_pos"])]
-    return {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")} | {"per_pos": per_pos}
+    def vec(key):
+        return [a - (before[key][i] if i < len(before[key]) else 0) for i, a in enumerate(after[key])]
+
+    return ({k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+            | {"per_pos": vec("per_pos"), "drafted_per_pos": vec("drafted_per_pos")})
 
 
 def runner_of(llm):
@@ -145,18 +144,21 @@ def cost_model(native_prof: dict, spec_prof: dict, k: int, d: int, loops: int, a
 def summarize(runs: list[dict]) -> dict:
     tps = sorted(r["tokens_per_s"] for r in runs)
     q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
-    spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": []}
+    spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
     for r in runs:
         for key in ("drafts", "draft_tokens", "accepted"):
             spec[key] += r["spec"][key]
-        pp = r["spec"]["per_pos"]
-        spec["per_pos"] += [0] * max(0, len(pp) - len(spec["per_pos"]))
-        for i, v in enumerate(pp):
-            spec["per_pos"][i] += v
+        for key in ("per_pos", "drafted_per_pos"):
+            values = r["spec"][key]
+            spec[key] += [0] * max(0, len(values) - len(spec[key]))
+            for i, v in enumerate(values):
+                spec[key][i] += v
     out = {"median_tokens_per_s": statistics.median(tps), "q1": q[0], "q3": q[2], "min": tps[0], "max": tps[-1]}
     if spec["draft_tokens"]:
         out["acceptance"] = spec["accepted"] / spec["draft_tokens"]
-        out["accepted_per_pos_per_round"] = [v / spec["drafts"] for v in spec["per_pos"]]
+        # P(draft j accepted | position j was drafted); acceptance is a prefix,
+        # so this already includes every earlier position being accepted.
+        out["acceptance_per_pos"] = [a / d for a, d in zip(spec["per_pos"], spec["drafted_per_pos"]) if d]
         out["tokens_per_round"] = 1 + spec["accepted"] / spec["drafts"]
     return out
 
@@ -235,7 +237,7 @@ def render_markdown(rec: dict) -> str:
              f"{rec['new_tokens']} new tokens per request, greedy, prompts `{rec['prompts']}`, "
              f"{rec['repeats']} interleaved repeats; vLLM {rec['vllm']}, torch {rec['torch']}, "
              f"{rec['cores']} cores; {rec['engine']}; {rec['when']}.", "",
-             "| conc. | arm | tok/s median [IQR] | speedup | accept a | tokens/round | accepted per position (per round) "
+             "| conc. | arm | tok/s median [IQR] | speedup | accept a | tokens/round | acceptance at draft position 1..K "
              "| ceiling (measured S,P,L) | measured/ceiling | weight-bound ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, arms in rec["results"].items():
@@ -245,7 +247,7 @@ def render_markdown(rec: dict) -> str:
                 lines.append(row + " 1.00 | – | 1 | – | – | – | – |")
                 continue
             cm = r["cost_model"]
-            pos = ", ".join(f"{v:.2f}" for v in r.get("accepted_per_pos_per_round", []))
+            pos = ", ".join(f"{v:.2f}" for v in r.get("acceptance_per_pos", []))
             lines.append(row + f" {r['speedup']:.2f} | {r.get('acceptance', 0):.2f} | {r.get('tokens_per_round', 1):.2f} "
                          f"| {pos} | {cm['ceiling']:.2f} | {r['speedup_over_ceiling']:.2f} | {cm['ceiling_weight_bound']:.2f} |")
     lines += ["", "Cost-model terms per arm (ms): S = native step outside the model, L1 = one loop over the "

@@ -39,7 +39,10 @@ def free_blocks(llm) -> int:
 
 
 def spec_metrics(llm) -> dict:
-    """vLLM's spec_decode counters from the engine's metrics."""
+    """vLLM's spec_decode counters. vLLM reads them from the process-wide
+    Prometheus registry, which holds the *newest* in-process engine's
+    collectors: call it only on the engine created last (per-engine figures
+    are in ``model_runner(llm).loopspec_stats``)."""
     out = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):

@@ -16,7 +16,7 @@ import torch
 from vllm import SamplingParams
 
 from conftest import make_llm
-from engine_access import model_runner, spec_metrics
+from engine_access import model_runner
 
 PROMPT = [3, 1, 4, 1, 5]
 DRAWS = 4000
@@ -111,12 +111,12 @@ def test_sampled_loopspec_recovers_target_distribution(v16, v16_llm, setting):
     _, oracle = v16
     proc = SETTINGS[setting]
     params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, **proc)
-    drafted_before = spec_metrics(v16_llm)["vllm:spec_decode_num_draft_tokens"]
+    stats = model_runner(v16_llm).loopspec_stats
+    drafted_before = stats.drafted_tokens
     outs = v16_llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
     seqs = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(s) == 3 for s in seqs)
-    m = spec_metrics(v16_llm)
-    drafted = m["vllm:spec_decode_num_draft_tokens"] - drafted_before
+    drafted = stats.drafted_tokens - drafted_before
     assert drafted >= DRAWS, "the continuations were not speculated"
     target2, target3 = exact_marginals(oracle, loop=4, **proc)
     draft2, _ = exact_marginals(oracle, loop=1, **proc)

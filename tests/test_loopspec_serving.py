@@ -135,7 +135,8 @@ def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm,
 
 
 def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
-    """vLLM's spec_decode counters agree with loopspec's own round counts:
+    """vLLM's spec_decode counters (read right after creating this engine:
+    they are the newest engine's in this process) agree with loopspec's own:
     every output token comes from prefill, an accepted draft, a round's
     correction/bonus token, or a step without drafts."""
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 3, "draft_loops": 1})
@@ -150,4 +151,7 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     assert total == len(SHORT) + stats.speculating_rows + accepted + sum(stats.skipped.values())
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == accepted and len(per_pos) == 3
+    assert stats.accepted_tokens == accepted
+    assert stats.accepted_per_pos == list(per_pos)
+    assert sum(stats.drafted_per_pos) == stats.drafted_tokens
     assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance is a prefix

@@ -7,7 +7,7 @@ import pytest
 from vllm import SamplingParams
 
 from conftest import make_llm
-from engine_access import spec_metrics
+from engine_access import model_runner
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "ouro-stdlib"
 PROMPTS = [
@@ -51,6 +51,6 @@ def test_loopspec_equals_native_on_trained_checkpoint(trained_native, trained_lo
     native = [list(o.outputs[0].token_ids) for o in trained_native.generate(PROMPTS, params, use_tqdm=False)]
     spec = [list(o.outputs[0].token_ids) for o in trained_loopspec.generate(PROMPTS, params, use_tqdm=False)]
     assert spec == native
-    m = spec_metrics(trained_loopspec)
+    stats = model_runner(trained_loopspec).loopspec_stats
     # A trained model's shallow loops agree with its deep ones often, not always.
-    assert 0.3 < m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"] < 0.98
+    assert 0.3 < stats.accepted_tokens / stats.drafted_tokens < 0.98

@@ -78,18 +78,20 @@ class SnapshotWriter:
 
 
 def read_snapshots(directory: Path) -> dict:
-    total = {"rounds": 0, "speculating_rows": 0, "drafted_tokens": 0, "rows_per_loop": [], "skipped": {}}
+    total = {"rounds": 0, "speculating_rows": 0, "drafted_tokens": 0, "accepted_tokens": 0,
+             "rows_per_loop": [], "drafted_per_pos": [], "accepted_per_pos": [], "skipped": {}}
     for file in sorted(directory.glob("worker-*.json")):
         try:
             snap = json.loads(file.read_text())
         except (OSError, ValueError):
             continue
-        for key in ("rounds", "speculating_rows", "drafted_tokens"):
+        for key in ("rounds", "speculating_rows", "drafted_tokens", "accepted_tokens"):
             total[key] += snap.get(key, 0)
-        rows = snap.get("rows_per_loop", [])
-        total["rows_per_loop"] += [0] * max(0, len(rows) - len(total["rows_per_loop"]))
-        for loop, n in enumerate(rows):
-            total["rows_per_loop"][loop] += n
+        for key in ("rows_per_loop", "drafted_per_pos", "accepted_per_pos"):
+            values = snap.get(key, [])
+            total[key] += [0] * max(0, len(values) - len(total[key]))
+            for i, n in enumerate(values):
+                total[key][i] += n
         for reason, n in snap.get("skipped", {}).items():
             total["skipped"][reason] = total["skipped"].get(reason, 0) + n
     return total
@@ -107,6 +109,7 @@ class LoopSpecCollector:
             ("rounds", "Engine steps that ran a loopspec round."),
             ("speculating_rows", "Request-rounds that drafted at least one token."),
             ("drafted_tokens", "Tokens drafted by the shallow loops."),
+            ("accepted_tokens", "Drafted tokens the deep loops accepted."),
         ):
             yield CounterMetricFamily(f"loopspec:{key}", doc, value=snap[key])
         rows = CounterMetricFamily("loopspec:rows_per_loop", "Rows each loop processed in loopspec steps.",
@@ -114,6 +117,12 @@ class LoopSpecCollector:
         for loop, n in enumerate(snap["rows_per_loop"]):
             rows.add_metric([str(loop + 1)], n)
         yield rows
+        for key, doc in (("drafted_per_pos", "Rounds that drafted each position."),
+                         ("accepted_per_pos", "Rounds whose draft at each position was accepted.")):
+            family = CounterMetricFamily(f"loopspec:{key}", doc, labels=["position"])
+            for pos, n in enumerate(snap[key]):
+                family.add_metric([str(pos + 1)], n)
+            yield family
         skipped = CounterMetricFamily("loopspec:skipped_rows",
                                       "Request-steps that decoded one token without drafting, by reason.",
                                       labels=["reason"])

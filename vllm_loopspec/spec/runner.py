@@ -202,6 +202,7 @@ class LoopSpecRunnerMixin:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         self._draft_probs = None
         self._draft_prob_req_ids = None
+        self._loopspec_count_acceptance(sampled_token_ids)
         max_len = self.model_config.max_model_len
         proposals: list[list[int]] = []
         for i, req_id in enumerate(self.input_batch.req_ids):
@@ -211,6 +212,17 @@ class LoopSpecRunnerMixin:
             k = self._loopspec_num_drafts(i, req_id, max_len)
             proposals.append([0] * k)
         return proposals
+
+    def _loopspec_count_acceptance(self, sampled_token_ids) -> None:
+        """Per-engine acceptance per draft position (vLLM's own counters are
+        per front end and do not count drafts per position)."""
+        sdm = self._loopspec_sdm
+        if sdm is None:
+            return
+        for row, num_drafts in enumerate(sdm.num_draft_tokens):
+            if num_drafts and row < len(sampled_token_ids):
+                accepted = max(len(sampled_token_ids[row]) - 1, 0)
+                self.loopspec_stats.count_acceptance(num_drafts, accepted)
 
     def _loopspec_num_drafts(self, row: int, req_id: str, max_len: int) -> int:
         state = self.requests[req_id]

@@ -13,6 +13,11 @@ class LoopSpecStats:
     speculating_rows: int = 0
     """Request-rounds that drafted at least one token."""
     drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_pos: list[int] = field(default_factory=list)
+    """Rounds that drafted position j (j = 0..K-1)."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Rounds whose draft at position j was accepted."""
     rows_per_loop: list[int] = field(default_factory=list)
     """Rows each loop processed in speculative steps (index = loop)."""
     skipped: Counter = field(default_factory=Counter)
@@ -24,11 +29,22 @@ class LoopSpecStats:
         for loop in loops:
             self.rows_per_loop[loop] += rows
 
+    def count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        for per_pos, n in ((self.drafted_per_pos, num_drafts), (self.accepted_per_pos, num_accepted)):
+            if len(per_pos) < num_drafts:
+                per_pos.extend([0] * (num_drafts - len(per_pos)))
+            for j in range(n):
+                per_pos[j] += 1
+        self.accepted_tokens += num_accepted
+
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds,
             "speculating_rows": self.speculating_rows,
             "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "drafted_per_pos": list(self.drafted_per_pos),
+            "accepted_per_pos": list(self.accepted_per_pos),
             "rows_per_loop": list(self.rows_per_loop),
             "skipped": dict(self.skipped),
         }
