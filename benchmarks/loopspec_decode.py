@@ -11,11 +11,12 @@ tokens / decode wall time. All engines live in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that idle engines cost nothing and
 the runner can be profiled; a served engine adds IPC to every step alike.
 
-After the timed trials, one profiled trial per arm splits a step into
-vLLM overhead ``S`` (everything outside the model forward), the shallow passes
-(base pass over ``A``, draft passes, final fill), draft logits/sampling, and
-verification; from these come the cost-model terms ``L(r)`` and ``P`` and the
-ceiling (DESIGN.md §4) printed beside each measured speedup.
+Every timed trial is also profiled (a few perf_counter calls per pass): a
+step splits into vLLM overhead ``S`` (everything outside the model forward),
+the shallow passes (base pass over ``A``, draft passes, final fill), draft
+logits/sampling, and verification. Per-step medians over the repeats give the
+cost-model terms ``L(r)`` and ``P`` and the ceiling (DESIGN.md §4) printed
+beside each measured speedup.
 """
 
 from __future__ import annotations
@@ -65,14 +66,15 @@ def runner_of(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
-def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False) -> dict:
+def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False, temperature: float = 0.0) -> dict:
     """Prefill all requests, then time decoding until every one is done."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     tag = uuid.uuid4().hex[:6]
     for i, p in enumerate(prompts):
+        params = SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
+                                seed=1000 + i if temperature > 0 else None)
         engine.add_request(f"{tag}-{i}", p, params)
     produced: dict[str, int] = {}
     while len(produced) < len(prompts):
@@ -115,6 +117,22 @@ def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False
             result["phases"] = runner.loopspec_profile
             runner.loopspec_profile = None
     return result
+
+
+def median_profile(runs: list[dict]) -> dict:
+    """Per-step medians over the repeats of the timed trials (all profiled:
+    the timers add a few perf_counter calls per pass), as one pseudo-trial."""
+    def med(values):
+        return statistics.median(values)
+
+    steps = med([r["steps"] for r in runs])
+    out = {"steps": steps,
+           "seconds": med([r["seconds"] / r["steps"] for r in runs]) * steps,
+           "forward_seconds": med([r["forward_seconds"] / r["steps"] for r in runs]) * steps}
+    if runs and "phases" in runs[0]:
+        names = {k for r in runs for k in r["phases"]}
+        out["phases"] = {k: med([r["phases"].get(k, 0.0) / r["steps"] for r in runs]) * steps for k in names}
+    return out
 
 
 def cost_model(native_prof: dict, spec_prof: dict, k: int, d: int, loops: int, acceptance: float, rows: int) -> dict:
@@ -172,6 +190,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", default="code")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy; > 0 samples (seeded per request), drafts from the processed q")
     ap.add_argument("--out", type=Path, default=RESULTS / "loopspec_decode.json")
     args = ap.parse_args()
 
@@ -197,10 +217,10 @@ def main() -> None:
             batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
-                runs[c][name].append(decode_trial(arms[name], batch, args.new_tokens) | {"repeat": rep})
+                runs[c][name].append(decode_trial(arms[name], batch, args.new_tokens, profile=True,
+                                                  temperature=args.temperature) | {"repeat": rep})
         print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
-    profiles = {c: {n: decode_trial(arms[n], prompts[:c], args.new_tokens, profile=True) for n in names}
-                for c in args.concurrency}
+    profiles = {c: {n: median_profile(runs[c][n]) for n in names} for c in args.concurrency}
 
     results = {}
     for c in args.concurrency:
@@ -219,7 +239,8 @@ def main() -> None:
         "benchmark": "loopspec_decode",
         "checkpoint": str(args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint),
         "draft_loops": args.draft_loops, "loops": loops, "new_tokens": args.new_tokens,
-        "repeats": args.repeats, "prompts": args.prompts, "dtype": "float32", "greedy": True,
+        "repeats": args.repeats, "prompts": args.prompts, "dtype": "float32",
+        "temperature": args.temperature,
         "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), enforce_eager",
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -234,10 +255,12 @@ def main() -> None:
 
 def render_markdown(rec: dict) -> str:
     lines = [f"# loopspec decode throughput — {rec['checkpoint']} (d={rec['draft_loops']}, D={rec['loops']})", "",
-             f"{rec['new_tokens']} new tokens per request, greedy, prompts `{rec['prompts']}`, "
+             f"{rec['new_tokens']} new tokens per request, "
+             f"{'greedy' if not rec['temperature'] else 'temperature ' + str(rec['temperature']) + ' (seeded)'}, "
+             f"prompts `{rec['prompts']}`, "
              f"{rec['repeats']} interleaved repeats; vLLM {rec['vllm']}, torch {rec['torch']}, "
              f"{rec['cores']} cores; {rec['engine']}; {rec['when']}.", "",
-             "| conc. | arm | tok/s median [IQR] | speedup | accept a | tokens/round | acceptance at draft position 1..K "
+             "| conc. | arm | tok/s median [IQR] | speedup | accept a | tokens/round | share of rounds accepting draft position 1..K "
              "| ceiling (measured S,P,L) | measured/ceiling | weight-bound ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for c, arms in rec["results"].items():

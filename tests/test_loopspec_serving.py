@@ -155,3 +155,36 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     assert stats.accepted_per_pos == list(per_pos)
     assert sum(stats.drafted_per_pos) == stats.drafted_tokens
     assert list(per_pos) == sorted(per_pos, reverse=True)  # acceptance is a prefix
+
+
+def test_unverifiable_sampler_features_are_refused_per_request(loopspec_llms):
+    """vLLM's rejection sampler cannot apply logit_bias or min_p to the target,
+    and vLLM refuses such requests when speculation is on, with a message;
+    the engine keeps serving."""
+    llm = loopspec_llms(K)
+    for params in (SamplingParams(max_tokens=4, temperature=0, logit_bias={5: 3.0}),
+                   SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2)):
+        with pytest.raises(Exception, match="not yet supported with speculative decoding"):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_k_shrinks_at_the_context_limit(loopspec_llms, native_llm, tokenizer):
+    """A request that runs into max_model_len (1024) ends exactly like native
+    decoding; rounds near the limit draft fewer tokens instead of failing."""
+    llm = loopspec_llms(8)
+    ids = tokenizer(long_prompt(1000, tokenizer))["input_ids"][:1010]
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    want = native_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    trace = []
+    model_runner(llm).loopspec_trace = trace
+    try:
+        got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        model_runner(llm).loopspec_trace = None
+    assert list(got.token_ids) == list(want.token_ids)
+    assert len(ids) + len(got.token_ids) <= 1024
+    last_positions = [r["positions"][-1] for step in trace for r in step.values()]
+    assert last_positions and max(last_positions) <= 1022  # never a slot past the context
