@@ -59,17 +59,18 @@ class RoundLayout:
             [np.arange(s, e) for s, e in zip(self.query_start[:-1], ends)] or [np.zeros(0, np.int64)]
         ).astype(np.int64)
 
+    def __post_init__(self) -> None:
+        # Flat index of ``A`` (the token before the drafts) for every row.
+        self.anchors = (self.query_start[1:] - self.num_drafts - 1).astype(np.int64)
+
     def anchor_index(self) -> np.ndarray:
-        """Flat index of ``A`` (the token before the drafts) for every row."""
-        return (self.query_start[1:] - self.num_drafts - 1).astype(np.int64)
+        return self.anchors
 
 
 @dataclass
 class RoundResult:
     hidden_states: torch.Tensor  # [num_tokens, H] loop-R exit states
     draft_token_ids: torch.Tensor  # [num_tokens] input ids with drafts filled in
-    shallow_rows: int
-    deep_rows: int
 
 
 def run_round(layout: RoundLayout, input_ids: torch.Tensor, passes: RoundPasses) -> RoundResult:
@@ -78,9 +79,8 @@ def run_round(layout: RoundLayout, input_ids: torch.Tensor, passes: RoundPasses)
     base_states = passes.shallow(base, ids[base], "base")
     states = base_states.new_empty((layout.num_tokens, base_states.shape[-1]))
     states[torch.from_numpy(base)] = base_states
-    shallow_rows = len(base)
 
-    latest = layout.anchor_index()  # per row: index of its newest shallow state
+    latest = layout.anchor_index().copy()  # per row: index of its newest shallow state
     for step in range(1, int(layout.num_drafts.max(initial=0)) + 1):
         rows = np.nonzero(layout.num_drafts >= step)[0]
         tokens = passes.draft(rows, step, states[torch.from_numpy(latest[rows])])
@@ -89,11 +89,8 @@ def run_round(layout: RoundLayout, input_ids: torch.Tensor, passes: RoundPasses)
         phase = "final_fill" if bool((layout.num_drafts[rows] == step).all()) else "draft"
         states[torch.from_numpy(where)] = passes.shallow(where, tokens.to(ids.dtype), phase)
         latest[rows] = where
-        shallow_rows += len(rows)
 
     return RoundResult(
         hidden_states=passes.deep(states),
         draft_token_ids=ids,
-        shallow_rows=shallow_rows,
-        deep_rows=layout.num_tokens,
     )

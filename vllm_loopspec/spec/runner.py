@@ -12,6 +12,7 @@ stop handling and ``spec_decode`` metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import numpy as np
@@ -178,7 +179,7 @@ class LoopSpecRunnerMixin:
         # Profiling hook (benchmarks): phase -> accumulated seconds.
         self.loopspec_profile: dict[str, float] | None = None
 
-    @property
+    @functools.cached_property
     def loopspec_layer_names(self) -> list[str]:
         return [name for group in self.kv_cache_config.kv_cache_groups for name in group.layer_names]
 
@@ -290,13 +291,13 @@ class LoopSpecRunnerMixin:
                                  passes: _StepPasses, sdm) -> None:
         """Put the real drafts where vLLM's sampler and bookkeeping read them."""
         spec_rows = np.nonzero(layout.num_drafts > 0)[0]
-        flat = [ids[layout.anchor_index()[r] + 1 : layout.anchor_index()[r] + 1 + layout.num_drafts[r]]
-                for r in spec_rows]
+        anchors = layout.anchor_index()
+        flat = [ids[anchors[r] + 1 : anchors[r] + 1 + layout.num_drafts[r]] for r in spec_rows]
         drafts = torch.cat(flat).to(sdm.draft_token_ids.dtype)
         sdm.draft_token_ids.copy_(drafts.to(sdm.draft_token_ids.device))
         for r in spec_rows:
             # Penalties and logits processors read the spec tokens from here.
-            start = layout.anchor_index()[r] + 1
+            start = anchors[r] + 1
             self.input_batch.spec_token_ids[r][:] = ids[start : start + layout.num_drafts[r]].tolist()
         if passes.q_rows:
             k_max = int(layout.num_drafts.max())
@@ -310,7 +311,7 @@ class LoopSpecRunnerMixin:
             for r in spec_rows:
                 for step in range(1, layout.num_drafts[r] + 1):
                     if (r, step) not in passes.q_rows:
-                        probs[r, step - 1, int(ids[layout.anchor_index()[r] + step])] = 1.0
+                        probs[r, step - 1, int(ids[anchors[r] + step])] = 1.0
             self._draft_probs = probs
             self._draft_prob_req_ids = list(self.input_batch.req_ids)
 
