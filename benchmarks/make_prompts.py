@@ -4,7 +4,10 @@
   standard-library files (never seen in training), cut at a line end;
 * ``text``: prose — the first lines of docstrings of held-out modules;
 * ``repetitive``: code with repeated structure (``elif`` chains, argparse
-  options, table rows) where n-gram lookup has material to copy.
+  options, table rows) where n-gram lookup has material to copy;
+* ``mixed``: code and prose prompts alternating (the K-sweep's short setting);
+* ``long``: about ``LONG_TOKENS`` tokens of held-out source each, starting at
+  a top-level definition and cut at a line end (the K-sweep's long setting).
 
 No set repeats one prompt, and none asks the model to echo its prompt.
 
@@ -21,6 +24,7 @@ from vllm_loopspec.training.data import split_files
 
 OUT = Path(__file__).resolve().parent / "prompts"
 PER_SET = 32
+LONG_TOKENS = 512
 
 
 def _code_prompts(files) -> list[str]:
@@ -75,10 +79,46 @@ def _repetitive_prompts() -> list[str]:
     return prompts
 
 
+def _mixed_prompts(code: list[str], text: list[str]) -> list[str]:
+    n = min(len(code), len(text), PER_SET // 2)
+    return [p for pair in zip(code[:n], text[:n]) for p in pair]
+
+
+def _long_prompts(files, tokenizer) -> list[str]:
+    """One prompt per held-out file, from its first top-level definition."""
+    prompts = []
+    for path in files:
+        src = path.read_text(encoding="utf-8", errors="ignore")
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        starts = [n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+        if not starts:
+            continue
+        lines = src.splitlines(keepends=True)[starts[0] - 1 :]
+        prompt, count = "", 0
+        for line in lines:
+            count += len(tokenizer.encode(line, add_special_tokens=False))
+            if count > LONG_TOKENS:
+                break
+            prompt += line
+        if count > LONG_TOKENS and prompt not in prompts:
+            prompts.append(prompt)
+        if len(prompts) == PER_SET:
+            break
+    return prompts
+
+
 def main() -> None:
+    from transformers import AutoTokenizer
+
     _, held_out = split_files()
     OUT.mkdir(exist_ok=True)
-    sets = {"code": _code_prompts(held_out), "text": _text_prompts(held_out), "repetitive": _repetitive_prompts()}
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[1] / "checkpoints" / "ouro-stdlib")
+    code, text = _code_prompts(held_out), _text_prompts(held_out)
+    sets = {"code": code, "text": text, "repetitive": _repetitive_prompts(),
+            "mixed": _mixed_prompts(code, text), "long": _long_prompts(held_out, tokenizer)}
     for name, prompts in sets.items():
         assert len(set(prompts)) == len(prompts)
         with open(OUT / f"{name}.jsonl", "w") as f:
