@@ -1,0 +1,282 @@
+"""Offline K-sweep (RFC §5.3): native decoding, loopspec at every (d, K), and
+vLLM's own ``ngram`` and ``suffix`` methods, on one engine build, side by side.
+
+    python benchmarks/kv_sweep.py                      # the full grid (~60 min here)
+    python benchmarks/kv_sweep.py --settings short --concurrency 1 8 \\
+        --draft-loops 2 --ks 4 --short-prompts repetitive --out benchmarks/results/kv_sweep_repetitive.json
+
+Grid: ``--draft-loops`` d × ``--ks`` K × ``--concurrency`` × ``--settings``
+(``short``: the ``mixed`` prompt set, 128 new tokens; ``long``: ~512-token
+prompts from ``long``, 256 new tokens), plus ``--peers`` (``ngram`` at each
+``--peer-ks``, ``suffix`` with vLLM's defaults) and the native arm.
+
+Method: every engine lives in this process and stays alive, so arms
+interleave (rotated order, ``--repeats`` times) under the same machine noise.
+Each trial adds ``c`` requests, runs engine steps until every request has
+finished its prefill and produced its first token, then times decoding until
+all are done (greedy, EOS ignored: every arm generates ``new_tokens`` per
+request; the tokens committed inside the timed window are counted). Reported per arm: median and IQR of
+committed tokens/s, acceptance per draft position and rows verified (from
+vLLM's own scheduler, identically for every method), the per-step time split
+(loopspec's profile: base shallow pass, draft passes, final fill, draft
+logits, verification, and vLLM's work outside the model), and for loopspec
+the cost-model ceiling of DESIGN.md §4 built from the measured terms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from loopspec_decode import (  # noqa: E402  (shared trial machinery; sets the in-process env)
+    RESULTS, ROOT, cost_model, decode_trial, load_prompts, median_profile, runner_of,
+)
+
+SETTINGS = {"short": {"new_tokens": 128}, "long": {"new_tokens": 256}}
+MAX_MODEL_LEN = 1024
+
+
+# -- arms ---------------------------------------------------------------------
+
+def arm_specs(args) -> dict[str, dict | None]:
+    """Arm name -> vLLM ``speculative_config`` (None = native)."""
+    arms: dict[str, dict | None] = {"native": None}
+    for d in args.draft_loops:
+        for k in args.ks:
+            arms[f"loopspec d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d}
+    if "ngram" in args.peers:
+        for k in args.peer_ks:
+            arms[f"ngram K{k}"] = {"method": "ngram", "num_speculative_tokens": k,
+                                   "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if "suffix" in args.peers:
+        arms["suffix"] = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
+    return arms
+
+
+def suffix_unavailable() -> str | None:
+    try:
+        import arctic_inference  # noqa: F401
+    except ImportError as exc:
+        return f"vLLM's suffix method needs the arctic-inference package, which is not importable here ({exc})"
+    return None
+
+
+# -- per-engine acceptance ------------------------------------------------------
+
+class SchedulerSpecCounter:
+    """Sum the ``SpecDecodingStats`` this engine's own scheduler produces.
+
+    vLLM's Prometheus counters are process-wide (all in-process engines feed
+    the newest one's), so the benchmark wraps ``make_spec_decoding_stats`` on
+    this scheduler instance: the same numbers vLLM reports, per engine, for
+    every method alike. Instrumentation of this script only."""
+
+    def __init__(self, llm) -> None:
+        self.totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        original = scheduler.make_spec_decoding_stats
+
+        def counted(stats, num_draft_tokens, num_accepted_tokens, *a, **kw):
+            if not num_draft_tokens:  # vLLM counts nothing for these either
+                return original(stats, num_draft_tokens, num_accepted_tokens, *a, **kw)
+            t = self.totals
+            t["drafts"] += 1
+            t["draft_tokens"] += num_draft_tokens
+            t["accepted"] += num_accepted_tokens
+            grow = max(num_draft_tokens - len(t["per_pos"]), 0)
+            t["per_pos"] += [0] * grow
+            t["drafted_per_pos"] += [0] * grow
+            for i in range(num_draft_tokens):
+                t["drafted_per_pos"][i] += 1
+            for i in range(num_accepted_tokens):
+                t["per_pos"][i] += 1
+            return original(stats, num_draft_tokens, num_accepted_tokens, *a, **kw)
+
+        scheduler.make_spec_decoding_stats = counted
+
+    def snapshot(self) -> dict:
+        return json.loads(json.dumps(self.totals))
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    def vec(key):
+        return [a - (before[key][i] if i < len(before[key]) else 0) for i, a in enumerate(after[key])]
+
+    return ({k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+            | {"per_pos": vec("per_pos"), "drafted_per_pos": vec("drafted_per_pos")})
+
+
+def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_tokens: int) -> dict:
+    before = counter.snapshot()
+    result = decode_trial(llm, prompts, new_tokens, profile=True)
+    result["spec"] = counter_delta(counter.snapshot(), before)
+    return result
+
+
+# -- summaries -------------------------------------------------------------------
+
+def summarize(runs: list[dict]) -> dict:
+    tps = sorted(r["tokens_per_s"] for r in runs)
+    q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
+    total = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
+    for r in runs:
+        for key in ("drafts", "draft_tokens", "accepted"):
+            total[key] += r["spec"][key]
+        for key in ("per_pos", "drafted_per_pos"):
+            values = r["spec"][key]
+            total[key] += [0] * max(0, len(values) - len(total[key]))
+            for i, v in enumerate(values):
+                total[key][i] += v
+    tokens = sum(r["tokens"] for r in runs)
+    out = {"median_tokens_per_s": statistics.median(tps), "q1": q[0], "q3": q[2], "min": tps[0], "max": tps[-1],
+           "tokens": tokens, "steps": sum(r["steps"] for r in runs),
+           # every verified row is a drafted position or the bonus row of a round
+           "rows_verified": total["drafts"] + total["draft_tokens"], "spec_counts": total}
+    if total["draft_tokens"]:
+        out["acceptance"] = total["accepted"] / total["draft_tokens"]
+        # share of rounds that drafted position j whose draft j was accepted
+        # (acceptance is a prefix: this includes every earlier position)
+        out["acceptance_per_pos"] = [a / n for a, n in zip(total["per_pos"], total["drafted_per_pos"]) if n]
+        out["tokens_per_round"] = 1 + total["accepted"] / total["drafts"]
+        out["drafted_per_round"] = total["draft_tokens"] / total["drafts"]
+    return out
+
+
+def per_step_split(profile: dict) -> dict:
+    """ms per engine step: vLLM outside the model forward, then the model
+    forward (for loopspec split into its phases)."""
+    steps = profile["steps"]
+    split = {"outside_model": (profile["seconds"] - profile["forward_seconds"]) / steps * 1e3,
+             "model_forward": profile["forward_seconds"] / steps * 1e3}
+    for name, seconds in profile.get("phases", {}).items():
+        split[name] = seconds / steps * 1e3
+    return split
+
+
+# -- main ------------------------------------------------------------------------
+
+def build_engines(args, specs: dict[str, dict | None]) -> dict:
+    from vllm import LLM
+
+    common = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, enforce_eager=True,
+                  seed=0, disable_log_stats=False, max_num_seqs=max(args.concurrency),
+                  max_num_batched_tokens=8192, num_gpu_blocks_override=args.kv_blocks)
+    engines = {}
+    for name, spec in specs.items():
+        t0 = time.perf_counter()
+        engines[name] = LLM(str(args.checkpoint), speculative_config=spec, **common)
+        print(f"built {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return engines
+
+
+def check_kv_capacity(llm, args, prompt_tokens: int) -> dict:
+    """Refuse to measure preemption: every request of the largest batch must fit."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    need_tokens = max(args.concurrency) * (prompt_tokens + max(s["new_tokens"] for s in SETTINGS.values()) + 16)
+    have_tokens = cache.num_gpu_blocks * cache.block_size
+    if have_tokens < need_tokens:
+        raise SystemExit(f"KV cache holds {have_tokens} tokens, the largest batch needs {need_tokens}: "
+                         f"raise --kv-blocks")
+    return {"block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "ouro-stdlib")
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--peers", nargs="*", default=["ngram", "suffix"], choices=["ngram", "suffix"])
+    ap.add_argument("--peer-ks", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--suffix-k", type=int, default=8, help="suffix's upper bound on drafted tokens")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--settings", nargs="+", default=["short", "long"], choices=list(SETTINGS))
+    ap.add_argument("--short-prompts", default="mixed")
+    ap.add_argument("--long-prompts", default="long")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+
+    specs = arm_specs(args)
+    skipped = {}
+    if "suffix" in specs and (why := suffix_unavailable()):
+        skipped["suffix"] = why
+        del specs["suffix"]
+    prompt_sets = {"short": load_prompts(args.short_prompts), "long": load_prompts(args.long_prompts)}
+    engines = build_engines(args, specs)
+    counters = {name: SchedulerSpecCounter(llm) for name, llm in engines.items()}
+    tokenizer = engines["native"].get_tokenizer()
+    prompt_tokens = max(len(tokenizer.encode(p)) for s in args.settings for p in prompt_sets[s])
+    kv = check_kv_capacity(engines["native"], args, prompt_tokens)
+    loops = runner_of(engines["native"]).model.num_loops
+    names = list(engines)
+
+    for name in names:  # warm every arm at every batch shape once
+        for c in args.concurrency:
+            decode_trial(engines[name], prompt_sets["short"][:c], 16)
+    runs = {s: {c: {n: [] for n in names} for c in args.concurrency} for s in args.settings}
+    t_start = time.perf_counter()
+    for rep in range(args.repeats):
+        for setting in args.settings:
+            prompts, new_tokens = prompt_sets[setting], SETTINGS[setting]["new_tokens"]
+            for c in args.concurrency:
+                batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
+                shift = (rep + c) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    trial = timed_trial(engines[name], counters[name], batch, new_tokens)
+                    runs[setting][c][name].append(trial | {"repeat": rep})
+        print(f"repeat {rep + 1}/{args.repeats} done after {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    results = {}
+    for setting in args.settings:
+        results[setting] = {}
+        for c in args.concurrency:
+            profiles = {n: median_profile(runs[setting][c][n]) for n in names}
+            native = summarize(runs[setting][c]["native"])
+            row = {"native": native | {"split_ms": per_step_split(profiles["native"])}}
+            for name in names[1:]:
+                summary = summarize(runs[setting][c][name])
+                summary["speedup"] = summary["median_tokens_per_s"] / native["median_tokens_per_s"]
+                summary["split_ms"] = per_step_split(profiles[name])
+                spec = specs[name]
+                if spec["method"] == "loopspec":
+                    k, d = spec["num_speculative_tokens"], spec["draft_loops"]
+                    summary["cost_model"] = cost_model(profiles["native"], profiles[name], k, d, loops,
+                                                       summary.get("acceptance", 0.0), c)
+                    summary["speedup_over_ceiling"] = summary["speedup"] / summary["cost_model"]["ceiling"]
+                row[name] = summary
+            results[setting][str(c)] = row
+
+    record = {
+        "benchmark": "kv_sweep",
+        "checkpoint": str(args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT) else args.checkpoint),
+        "loops": loops, "arms": specs, "skipped_arms": skipped, "repeats": args.repeats,
+        "settings": {s: SETTINGS[s] | {"prompts": args.short_prompts if s == "short" else args.long_prompts}
+                     for s in args.settings},
+        "concurrency": args.concurrency, "dtype": "float32", "temperature": 0.0, "kv_cache": kv,
+        "command": " ".join(["python", *sys.argv]),
+        "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), enforce_eager",
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "wall_seconds": time.perf_counter() - t_start,
+        "results": results,
+        "raw": {s: {str(c): runs[s][c] for c in args.concurrency} for s in args.settings},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
