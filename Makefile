@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench bench-all bench-report suffix-decoding clean
 
 install: $(STAMP)
 
@@ -30,6 +30,31 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/native_decode.py
+
+# Every figure of benchmarks/RESULTS.md (about 90 min on 2 cores; keep the
+# machine otherwise idle), then the page itself.
+bench-all: $(STAMP)
+	$(MAKE) suffix-decoding || echo "suffix decoding unavailable: its arms are recorded as skipped"
+	$(PY) benchmarks/kv_sweep.py
+	for set in code text repetitive; do \
+	  $(PY) benchmarks/kv_sweep.py --settings short --concurrency 1 8 --draft-loops 1 2 --ks 4 --peer-ks 4 \
+	    --short-prompts $$set --out benchmarks/results/kv_sweep_$$set.json || exit 1; done
+	$(PY) benchmarks/cost_curve.py
+	$(PY) benchmarks/serve_bench.py
+	$(PY) benchmarks/report.py
+
+bench-report: $(STAMP)
+	$(PY) benchmarks/report.py
+
+# vLLM's `suffix` method needs arctic-inference (sdist only: builds its CPU
+# suffix tree, ~1-2 min). Its setup.py passes the old -DPYTHON_EXECUTABLE
+# spelling, so CMake would find a Python without headers: name the venv's.
+# Pin torch so the isolated build does not download another one.
+suffix-decoding: $(STAMP)
+	$(PY) -c "import arctic_inference" 2>/dev/null || { \
+	  echo "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" > $(VENV)/arctic-build-constraints.txt && \
+	  CMAKE_ARGS="-DPython_EXECUTABLE=$(CURDIR)/$(PY)" CMAKE_BUILD_PARALLEL_LEVEL=1 MAX_JOBS=1 \
+	    $(PY) -m pip install -q --build-constraint $(VENV)/arctic-build-constraints.txt arctic-inference==0.3.0; }
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -7,7 +7,7 @@ vLLM's own ``ngram`` and ``suffix`` methods, on one engine build, side by side.
 
 Grid: ``--draft-loops`` d × ``--ks`` K × ``--concurrency`` × ``--settings``
 (``short``: the ``mixed`` prompt set, 128 new tokens; ``long``: ~512-token
-prompts from ``long``, 256 new tokens), plus ``--peers`` (``ngram`` at each
+prompts from ``long``, 192 new tokens), plus ``--peers`` (``ngram`` at each
 ``--peer-ks``, ``suffix`` with vLLM's defaults) and the native arm.
 
 Method: every engine lives in this process and stays alive, so arms
@@ -40,7 +40,7 @@ from loopspec_decode import (  # noqa: E402  (shared trial machinery; sets the i
     RESULTS, ROOT, cost_model, decode_trial, load_prompts, median_profile, runner_of,
 )
 
-SETTINGS = {"short": {"new_tokens": 128}, "long": {"new_tokens": 256}}
+SETTINGS = {"short": {"new_tokens": 128}, "long": {"new_tokens": 192}}
 MAX_MODEL_LEN = 1024
 
 

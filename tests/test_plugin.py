@@ -40,3 +40,20 @@ def test_engine_allocates_one_kv_layer_per_loop_and_layer(native_llm, tiny_check
     expected = sorted(f"model.layers.{u * n + i}.self_attn.attn" for u in range(r) for i in range(n))
     assert names == expected
     assert len(kv_cfg.kv_cache_groups) == 1, "all loops must share one KV group"
+
+
+def test_engines_start_after_an_ngram_engine_imported_numba(tiny_checkpoint, native_llm):
+    """Patch 4: vLLM's kernel-override scan crashed on llvmlite's ``lib`` once
+    numba was imported, so no engine could start after an ngram engine."""
+    from conftest import make_llm
+    from vllm import SamplingParams
+
+    ngram = make_llm(tiny_checkpoint, {"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    assert "llvmlite" in sys.modules
+    after = make_llm(tiny_checkpoint)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = ["a b c a b c a b", "def f(x):\n    return"]
+    expected = [o.outputs[0].token_ids for o in native_llm.generate(prompts, params, use_tqdm=False)]
+    for llm in (ngram, after):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected

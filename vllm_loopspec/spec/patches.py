@@ -6,7 +6,8 @@ on it. loopspec therefore rides on the built-in ``custom_class`` method (which
 gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
 and metrics) and translates the user's ``loopspec`` request into it. Two
 functions are wrapped (:func:`apply`), and on CPU one broken kernel fallback
-of vLLM is replaced (:func:`fix_cpu_expand_kernel`). The worker classes in
+of vLLM is replaced (:func:`fix_cpu_expand_kernel`) and one module scan of
+vLLM is kept from crashing (:func:`guard_kernel_rebind_scan`). The worker classes in
 ``runner`` are vLLM's documented ``--worker-cls`` extension point, not patches.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -119,11 +121,41 @@ def fix_cpu_expand_kernel() -> None:
     register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_to_tokens_cpu})
 
 
+def guard_kernel_rebind_scan() -> None:
+    """Patch 4 — ``vllm.triton_utils.dispatcher._rebind_kernels``.
+
+    When a platform registers kernel overrides (every CPU worker start), vLLM
+    0.32 scans the namespace of every imported module and calls
+    ``vars(value).get(...)`` on each object with a ``__dict__``. llvmlite's
+    ``binding.ffi.lib`` answers *every* attribute, ``__dict__`` included, with
+    a function wrapper, so once numba is imported (vLLM's ngram proposer does
+    it) the scan raises ``AttributeError`` and no further engine can start in
+    that process (an ngram engine, then any other ``LLM``). Hide llvmlite's
+    modules from ``sys.modules`` for the duration of the scan: they hold no
+    Triton kernels, and nothing is imported meanwhile."""
+    from vllm.triton_utils import dispatcher
+
+    original = dispatcher._rebind_kernels
+    if getattr(original, "_loopspec_guarded", False):
+        return
+
+    def rebind_kernels(*args, **kwargs):
+        hidden = {name: sys.modules.pop(name) for name in list(sys.modules) if name.split(".")[0] == "llvmlite"}
+        try:
+            return original(*args, **kwargs)
+        finally:
+            sys.modules.update(hidden)
+
+    rebind_kernels._loopspec_guarded = True
+    dispatcher._rebind_kernels = rebind_kernels
+
+
 def apply() -> None:
-    """Install the two wrappers (idempotent)."""
+    """Install the wrappers (idempotent)."""
     global _applied
     if _applied:
         return
+    guard_kernel_rebind_scan()
     from vllm.engine.arg_utils import EngineArgs
 
     # Patch 1 — vllm.engine.arg_utils.EngineArgs.add_cli_args: vLLM parses

