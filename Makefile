@@ -36,6 +36,8 @@ bench: $(STAMP)
 bench-all: $(STAMP)
 	$(MAKE) suffix-decoding || echo "suffix decoding unavailable: its arms are recorded as skipped"
 	$(PY) benchmarks/kv_sweep.py
+	$(PY) benchmarks/kv_sweep.py --temperature 0.8 --settings short --concurrency 1 8 --draft-loops 1 2 \
+	  --ks 1 2 4 --peer-ks 2 4 --out benchmarks/results/kv_sweep_t0.8.json
 	for set in code text repetitive; do \
 	  $(PY) benchmarks/kv_sweep.py --settings short --concurrency 1 8 --draft-loops 1 2 --ks 4 --peer-ks 4 \
 	    --short-prompts $$set --out benchmarks/results/kv_sweep_$$set.json || exit 1; done

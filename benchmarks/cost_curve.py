@@ -1,6 +1,6 @@
 """Cost of one loop pass against the number of rows it processes, on this CPU.
 
-    python benchmarks/cost_curve.py      # both shapes, ~5 min here
+    python benchmarks/cost_curve.py      # both shapes, ~8 min here
 
 Verification runs the deep loops over ``c·(K+1)`` rows at once; the RFC's
 bet is that this costs about as much as ``c`` rows while the pass is
@@ -68,8 +68,8 @@ def loop_timer(llm) -> list[float]:
     return samples
 
 
-def measure(llm, samples: list[float], rows: int, steps: int, vocab: int) -> dict:
-    """Decode ``rows`` requests together; per-loop ms of the timed steps."""
+def measure(llm, samples: list[float], rows: int, steps: int, vocab: int) -> tuple[list[float], list[float]]:
+    """Decode ``rows`` requests together; per-loop and per-step ms of the timed steps."""
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -87,13 +87,16 @@ def measure(llm, samples: list[float], rows: int, steps: int, vocab: int) -> dic
         t0 = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - t0)
-    loop_ms = sorted(s * 1e3 for s in samples)
+    return [s * 1e3 for s in samples], [t * 1e3 for t in step_times]
+
+
+def summarize(rows: int, loop_ms: list[float], step_ms: list[float]) -> dict:
     quart = statistics.quantiles(loop_ms, n=4) if len(loop_ms) >= 2 else [loop_ms[0]] * 3
     return {"rows": rows, "loop_ms": statistics.median(loop_ms), "q1": quart[0], "q3": quart[2],
-            "step_ms": statistics.median(step_times) * 1e3, "samples": len(loop_ms)}
+            "step_ms": statistics.median(step_ms), "samples": len(loop_ms)}
 
 
-def curve(checkpoint: Path, rows_list: list[int], steps: int, dummy: bool) -> dict:
+def curve(checkpoint: Path, rows_list: list[int], steps: int, passes: int, dummy: bool) -> dict:
     from vllm import LLM
 
     max_rows = max(rows_list)
@@ -105,10 +108,16 @@ def curve(checkpoint: Path, rows_list: list[int], steps: int, dummy: bool) -> di
     model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
     layer_params = sum(p.numel() for p in model.model.layers.parameters())
     samples = loop_timer(llm)
-    points = []
-    for rows in rows_list:
-        points.append(measure(llm, samples, rows, steps, config.vocab_size))
-        print(f"{checkpoint.name}: {rows} rows -> {points[-1]['loop_ms']:.2f} ms per loop", flush=True)
+    loops_ms: dict[int, list[float]] = {r: [] for r in rows_list}
+    steps_ms: dict[int, list[float]] = {r: [] for r in rows_list}
+    for p in range(passes):  # alternate the order so slow drift does not tilt the curve
+        for rows in rows_list if p % 2 == 0 else rows_list[::-1]:
+            loop_ms, step_ms = measure(llm, samples, rows, steps, config.vocab_size)
+            loops_ms[rows] += loop_ms
+            steps_ms[rows] += step_ms
+    points = [summarize(r, loops_ms[r], steps_ms[r]) for r in rows_list]
+    for p in points:
+        print(f"{checkpoint.name}: {p['rows']} rows -> {p['loop_ms']:.2f} ms per loop", flush=True)
     base = points[0]["loop_ms"]
     return {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
             "layers": config.num_hidden_layers, "loops": config.total_ut_steps,
@@ -121,7 +130,8 @@ def curve(checkpoint: Path, rows_list: list[int], steps: int, dummy: bool) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128])
-    ap.add_argument("--steps", type=int, default=6, help="timed decode steps per row count")
+    ap.add_argument("--steps", type=int, default=6, help="timed decode steps per row count and pass")
+    ap.add_argument("--passes", type=int, default=3, help="passes over the row counts (alternating order)")
     ap.add_argument("--large-layers", type=int, default=2)
     ap.add_argument("--shapes", nargs="+", default=["bundled", "large"], choices=["bundled", "large"])
     ap.add_argument("--out", type=Path, default=RESULTS / "cost_curve.json")
@@ -133,9 +143,9 @@ def main() -> None:
     shapes = {}
     for shape in args.shapes:
         if shape == "bundled":
-            shapes[shape] = curve(ROOT / "checkpoints" / "ouro-stdlib", args.rows, args.steps, dummy=False)
+            shapes[shape] = curve(ROOT / "checkpoints" / "ouro-stdlib", args.rows, args.steps, args.passes, dummy=False)
         else:
-            shapes[shape] = curve(large_shape_dir(args.large_layers), args.rows, args.steps, dummy=True)
+            shapes[shape] = curve(large_shape_dir(args.large_layers), args.rows, args.steps, args.passes, dummy=True)
     record = {"benchmark": "cost_curve", "shapes": shapes, "dtype": "float32",
               "command": " ".join(["python", *sys.argv]),
               "vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

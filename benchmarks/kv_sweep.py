@@ -14,8 +14,9 @@ Method: every engine lives in this process and stays alive, so arms
 interleave (rotated order, ``--repeats`` times) under the same machine noise.
 Each trial adds ``c`` requests, runs engine steps until every request has
 finished its prefill and produced its first token, then times decoding until
-all are done (greedy, EOS ignored: every arm generates ``new_tokens`` per
-request; the tokens committed inside the timed window are counted). Reported per arm: median and IQR of
+all are done (greedy unless ``--temperature``; EOS ignored: every arm
+generates ``new_tokens`` per request; the tokens committed inside the timed
+window are counted). Reported per arm: median and IQR of
 committed tokens/s, acceptance per draft position and rows verified (from
 vLLM's own scheduler, identically for every method), the per-step time split
 (loopspec's profile: base shallow pass, draft passes, final fill, draft
@@ -114,9 +115,10 @@ def counter_delta(after: dict, before: dict) -> dict:
             | {"per_pos": vec("per_pos"), "drafted_per_pos": vec("drafted_per_pos")})
 
 
-def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_tokens: int) -> dict:
+def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_tokens: int,
+                temperature: float) -> dict:
     before = counter.snapshot()
-    result = decode_trial(llm, prompts, new_tokens, profile=True)
+    result = decode_trial(llm, prompts, new_tokens, profile=True, temperature=temperature)
     result["spec"] = counter_delta(counter.snapshot(), before)
     return result
 
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--short-prompts", default="mixed")
     ap.add_argument("--long-prompts", default="long")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy; > 0 samples with a per-request seed (same seeds for every arm)")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
     args = ap.parse_args()
@@ -234,7 +238,7 @@ def main() -> None:
                 batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
                 shift = (rep + c) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    trial = timed_trial(engines[name], counters[name], batch, new_tokens)
+                    trial = timed_trial(engines[name], counters[name], batch, new_tokens, args.temperature)
                     runs[setting][c][name].append(trial | {"repeat": rep})
         print(f"repeat {rep + 1}/{args.repeats} done after {time.perf_counter() - t_start:.0f} s", flush=True)
 
@@ -264,7 +268,7 @@ def main() -> None:
         "loops": loops, "arms": specs, "skipped_arms": skipped, "repeats": args.repeats,
         "settings": {s: SETTINGS[s] | {"prompts": args.short_prompts if s == "short" else args.long_prompts}
                      for s in args.settings},
-        "concurrency": args.concurrency, "dtype": "float32", "temperature": 0.0, "kv_cache": kv,
+        "concurrency": args.concurrency, "dtype": "float32", "temperature": args.temperature, "kv_cache": kv,
         "command": " ".join(["python", *sys.argv]),
         "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), enforce_eager",
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),

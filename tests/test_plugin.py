@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from engine_access import engine_core, served_model
 
 
@@ -44,13 +46,20 @@ def test_engine_allocates_one_kv_layer_per_loop_and_layer(native_llm, tiny_check
 
 def test_engines_start_after_an_ngram_engine_imported_numba(tiny_checkpoint, native_llm):
     """Patch 4: vLLM's kernel-override scan crashed on llvmlite's ``lib`` once
-    numba was imported, so no engine could start after an ngram engine."""
+    numba was imported, so no engine could start after an ngram engine.
+    Patch 3 reaches non-loopspec engines too: after the ngram engine's worker
+    registered the CPU kernel overrides, vLLM's own ``expand_batch_to_tokens``
+    (per-token temperature/top-p of the rejection sampler) expands floats."""
+    import torch
     from conftest import make_llm
     from vllm import SamplingParams
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
 
     ngram = make_llm(tiny_checkpoint, {"method": "ngram", "num_speculative_tokens": 3,
                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     assert "llvmlite" in sys.modules
+    expanded = expand_batch_to_tokens(torch.tensor([0.7, 1.3]), torch.tensor([2, 5]), 5)
+    assert expanded.tolist() == pytest.approx([0.7, 0.7, 1.3, 1.3, 1.3])
     after = make_llm(tiny_checkpoint)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = ["a b c a b c a b", "def f(x):\n    return"]

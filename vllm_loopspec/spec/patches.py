@@ -109,9 +109,12 @@ def fix_cpu_expand_kernel() -> None:
     vLLM 0.32's CPU override (``vllm.utils.cpu_triton_utils._expand_kernel_impl``)
     casts its input and output to int64, so expanding the float per-request
     temperature/top-p to per-token values returns garbage (~1e-15) and every
-    *sampled* speculative request on CPU is verified against a wrong target.
-    Register a correct implementation. Must run after the platform's own
-    ``register_triton_kernel_overrides`` (the loopspec worker calls it)."""
+    *sampled* speculative request on CPU, whatever the method (loopspec,
+    ngram, suffix, ...), is verified against a wrong target. Register a
+    correct implementation right after the platform's own
+    ``CpuPlatform.register_triton_kernel_overrides`` (wrapped by
+    :func:`apply`; vLLM calls it in ``WorkerBase.init_worker``, after loading
+    plugins), so every engine of the process gets it."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -119,6 +122,24 @@ def fix_cpu_expand_kernel() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels({"vllm.v1.sample.rejection_sampler.expand_kernel": expand_batch_to_tokens_cpu})
+
+
+def _fix_expand_after_platform_overrides() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform_class = type(current_platform)
+    original = platform_class.register_triton_kernel_overrides
+    if getattr(original, "_loopspec_wrapped", False):
+        return
+
+    def register_triton_kernel_overrides(cls) -> None:
+        original.__func__(cls)
+        fix_cpu_expand_kernel()
+
+    register_triton_kernel_overrides._loopspec_wrapped = True
+    platform_class.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
 
 
 def guard_kernel_rebind_scan() -> None:
@@ -156,6 +177,7 @@ def apply() -> None:
     if _applied:
         return
     guard_kernel_rebind_scan()
+    _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 
     # Patch 1 — vllm.engine.arg_utils.EngineArgs.add_cli_args: vLLM parses

@@ -26,7 +26,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_loopspec.spec.metrics import SnapshotWriter
 from vllm_loopspec.spec.options import LoopSpecOptions
-from vllm_loopspec.spec.patches import ADDITIONAL_CONFIG_KEY, fix_cpu_expand_kernel
+from vllm_loopspec.spec.patches import ADDITIONAL_CONFIG_KEY
 from vllm_loopspec.spec.round import RoundLayout, run_round
 from vllm_loopspec.spec.stats import LoopSpecStats
 
@@ -326,7 +326,6 @@ class LoopSpecCPUWorker(CPUWorker):
     """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
 
     def init_device(self) -> None:
-        fix_cpu_expand_kernel()
         # CPUWorker.init_device builds its runner by looking up the module
         # global ``CPUModelRunner``; point it at ours for that call only.
         import vllm.v1.worker.cpu_worker as cpu_worker
