@@ -31,7 +31,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/native_decode.py
 
-# Every figure of benchmarks/RESULTS.md (about 90 min on 2 cores; keep the
+# Every figure of benchmarks/RESULTS.md (about 55 min on 2 cores; keep the
 # machine otherwise idle), then the page itself.
 bench-all: $(STAMP)
 	$(MAKE) suffix-decoding || echo "suffix decoding unavailable: its arms are recorded as skipped"

@@ -51,6 +51,16 @@ def large_shape_dir(layers: int) -> Path:
     return out
 
 
+def layer_weight_count(config) -> int:
+    """Weights one loop reads, from the config (vLLM's CPU linear layers
+    repack their weights, so ``parameters()`` does not see them)."""
+    h, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    attention = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2  # q, o; k, v
+    mlp = 3 * h * config.intermediate_size  # gate, up, down
+    return config.num_hidden_layers * (attention + mlp + 2 * h)
+
+
 def loop_timer(llm) -> list[float]:
     """Time every ``run_loops`` call of this engine's model, per loop run."""
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -105,8 +115,7 @@ def curve(checkpoint: Path, rows_list: list[int], steps: int, passes: int, dummy
               num_gpu_blocks_override=max_rows + 8, load_format="dummy" if dummy else "auto",
               skip_tokenizer_init=dummy)
     config = llm.llm_engine.vllm_config.model_config.hf_config
-    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    layer_params = layer_weight_count(config)
     samples = loop_timer(llm)
     loops_ms: dict[int, list[float]] = {r: [] for r in rows_list}
     steps_ms: dict[int, list[float]] = {r: [] for r in rows_list}
