@@ -24,7 +24,8 @@ RESULTS = BENCH / "results"
 PLOTS = RESULTS / "plots"
 PAGE = BENCH / "RESULTS.md"
 PROMPT_SETS = ("code", "text", "repetitive")
-COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}
+COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:green"}  # loopspec, by d
+PEER_STYLE = {"ngram": ("tab:red", "s--"), "suffix": ("tab:purple", "^-.")}
 
 
 def load(name: str) -> dict | None:
@@ -114,9 +115,9 @@ def plot_speedup(rec: dict, tag: str = "") -> list[str]:
                         label=f"ceiling d={d}")
             ngram = sorted((arm_kind(n)[2], r["speedup"]) for n, r in arms.items() if n.startswith("ngram"))
             if ngram:
-                ax.plot(*zip(*ngram), "s--", color="tab:red", label="ngram")
+                ax.plot(*zip(*ngram), PEER_STYLE["ngram"][1], color=PEER_STYLE["ngram"][0], label="ngram")
             if "suffix" in arms:
-                ax.axhline(arms["suffix"]["speedup"], color="tab:purple", ls="-.", label="suffix")
+                ax.axhline(arms["suffix"]["speedup"], color=PEER_STYLE["suffix"][0], ls="-.", label="suffix")
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
@@ -133,22 +134,33 @@ def plot_speedup(rec: dict, tag: str = "") -> list[str]:
     return names
 
 
-def plot_acceptance(rec: dict) -> str:
-    setting = next(iter(rec["results"]))
-    by_conc = rec["results"][setting]
-    conc = "8" if "8" in by_conc else next(iter(by_conc))
-    arms = by_conc[conc]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name, r in arms.items():
-        kind, d, k = arm_kind(name)
-        if r.get("acceptance_per_pos") and (k == max(arm_kind(n)[2] or 0 for n in arms) or kind == "suffix"):
-            pos = r["acceptance_per_pos"]
-            ax.plot(range(1, len(pos) + 1), pos, "o-", label=name, color=COLORS.get(d) if kind == "loopspec" else None)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("share of rounds accepting it")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(f"acceptance per position ({setting}, concurrency {conc})")
-    ax.legend(fontsize=7)
+def plot_acceptance(records: list[dict]) -> str:
+    """One panel per record (greedy sweep, sampled sweep): acceptance per
+    position at concurrency 8 for each method's largest K."""
+    fig, axes = plt.subplots(1, len(records), figsize=(5.5 * len(records), 3.6), squeeze=False)
+    for ax, rec in zip(axes[0], records):
+        setting = next(iter(rec["results"]))
+        by_conc = rec["results"][setting]
+        conc = "8" if "8" in by_conc else next(iter(by_conc))
+        arms = by_conc[conc]
+        largest = {}
+        for name in arms:
+            kind, d, k = arm_kind(name)
+            key = (kind, d)
+            if kind != "native" and (key not in largest or (k or 0) > (arm_kind(largest[key])[2] or 0)):
+                largest[key] = name
+        for (kind, d), name in largest.items():
+            pos = arms[name].get("acceptance_per_pos") or []
+            if not pos:
+                continue
+            color, style = (COLORS.get(d), "o-") if kind == "loopspec" else PEER_STYLE.get(kind, (None, "x-"))
+            ax.plot(range(1, len(pos) + 1), pos, style, color=color, label=name)
+        sampling = f"T={rec['temperature']}" if rec["temperature"] else "greedy"
+        ax.set_title(f"{sampling}, {setting}, concurrency {conc}")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("share of rounds accepting it")
     fig.tight_layout()
     name = "acceptance_per_position.png"
     fig.savefig(PLOTS / name, dpi=110)
@@ -351,7 +363,8 @@ def main() -> None:
         lines += sweep_tables(sweep)
         for name in plot_speedup(sweep):
             lines += [f"![speedup vs K](results/plots/{name})", ""]
-        lines += ["### Acceptance per draft position", "", f"![acceptance](results/plots/{plot_acceptance(sweep)})", ""]
+        acceptance_plot = plot_acceptance([r for r in (sweep, load("kv_sweep_t0.8.json")) if r])
+        lines += ["### Acceptance per draft position", "", f"![acceptance](results/plots/{acceptance_plot})", ""]
         lines += per_position_table(sweep) + [""]
         lines += ["### Where a step's time goes (ms per engine step, medians)", "",
                   "`outside model` is vLLM's scheduler, input preparation, sampling/rejection and output "
