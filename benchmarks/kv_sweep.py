@@ -30,15 +30,16 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loopspec_decode import (  # noqa: E402  (shared trial machinery; sets the in-process env)
-    RESULTS, ROOT, cost_model, decode_trial, load_prompts, median_profile, runner_of,
+import loopspec_decode  # noqa: E402  (shared trial machinery; sets the in-process env)
+from loopspec_decode import (  # noqa: E402
+    RESULTS, ROOT, cost_model, counter_delta, decode_trial, load_prompts, median_profile, runner_of,
+    total_spec_counts,
 )
 
 SETTINGS = {"short": {"new_tokens": 128}, "long": {"new_tokens": 192}}
@@ -107,14 +108,6 @@ class SchedulerSpecCounter:
         return json.loads(json.dumps(self.totals))
 
 
-def counter_delta(after: dict, before: dict) -> dict:
-    def vec(key):
-        return [a - (before[key][i] if i < len(before[key]) else 0) for i, a in enumerate(after[key])]
-
-    return ({k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
-            | {"per_pos": vec("per_pos"), "drafted_per_pos": vec("drafted_per_pos")})
-
-
 def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_tokens: int,
                 temperature: float) -> dict:
     before = counter.snapshot()
@@ -126,28 +119,13 @@ def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_toke
 # -- summaries -------------------------------------------------------------------
 
 def summarize(runs: list[dict]) -> dict:
-    tps = sorted(r["tokens_per_s"] for r in runs)
-    q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
-    total = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
-    for r in runs:
-        for key in ("drafts", "draft_tokens", "accepted"):
-            total[key] += r["spec"][key]
-        for key in ("per_pos", "drafted_per_pos"):
-            values = r["spec"][key]
-            total[key] += [0] * max(0, len(values) - len(total[key]))
-            for i, v in enumerate(values):
-                total[key][i] += v
-    tokens = sum(r["tokens"] for r in runs)
-    out = {"median_tokens_per_s": statistics.median(tps), "q1": q[0], "q3": q[2], "min": tps[0], "max": tps[-1],
-           "tokens": tokens, "steps": sum(r["steps"] for r in runs),
-           # every verified row is a drafted position or the bonus row of a round
-           "rows_verified": total["drafts"] + total["draft_tokens"], "spec_counts": total}
+    """loopspec_decode's summary plus the totals this sweep also reports."""
+    total = total_spec_counts(runs)
+    out = loopspec_decode.summarize(runs) | {
+        "tokens": sum(r["tokens"] for r in runs), "steps": sum(r["steps"] for r in runs),
+        # every verified row is a drafted position or the bonus row of a round
+        "rows_verified": total["drafts"] + total["draft_tokens"], "spec_counts": total}
     if total["draft_tokens"]:
-        out["acceptance"] = total["accepted"] / total["draft_tokens"]
-        # share of rounds that drafted position j whose draft j was accepted
-        # (acceptance is a prefix: this includes every earlier position)
-        out["acceptance_per_pos"] = [a / n for a, n in zip(total["per_pos"], total["drafted_per_pos"]) if n]
-        out["tokens_per_round"] = 1 + total["accepted"] / total["drafts"]
         out["drafted_per_round"] = total["draft_tokens"] / total["drafts"]
     return out
 

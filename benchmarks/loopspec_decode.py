@@ -159,9 +159,8 @@ def cost_model(native_prof: dict, spec_prof: dict, k: int, d: int, loops: int, a
     }
 
 
-def summarize(runs: list[dict]) -> dict:
-    tps = sorted(r["tokens_per_s"] for r in runs)
-    q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
+def total_spec_counts(runs: list[dict]) -> dict:
+    """Sum the trials' speculation counters (per-position lists padded)."""
     spec = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
     for r in runs:
         for key in ("drafts", "draft_tokens", "accepted"):
@@ -171,6 +170,13 @@ def summarize(runs: list[dict]) -> dict:
             spec[key] += [0] * max(0, len(values) - len(spec[key]))
             for i, v in enumerate(values):
                 spec[key][i] += v
+    return spec
+
+
+def summarize(runs: list[dict]) -> dict:
+    tps = sorted(r["tokens_per_s"] for r in runs)
+    q = statistics.quantiles(tps, n=4) if len(tps) >= 2 else [tps[0]] * 3
+    spec = total_spec_counts(runs)
     out = {"median_tokens_per_s": statistics.median(tps), "q1": q[0], "q3": q[2], "min": tps[0], "max": tps[-1]}
     if spec["draft_tokens"]:
         out["acceptance"] = spec["accepted"] / spec["draft_tokens"]

@@ -27,14 +27,19 @@ PER_SET = 32
 LONG_TOKENS = 512
 
 
-def _code_prompts(files) -> list[str]:
-    prompts = []
+def _parsed(files):
+    """(source, module AST) of every file that parses, in order."""
     for path in files:
         src = path.read_text(encoding="utf-8", errors="ignore")
         try:
-            tree = ast.parse(src)
+            yield src, ast.parse(src)
         except SyntaxError:
             continue
+
+
+def _code_prompts(files) -> list[str]:
+    prompts = []
+    for src, tree in _parsed(files):
         lines = src.splitlines(keepends=True)
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.end_lineno - node.lineno >= 6:
@@ -49,11 +54,8 @@ def _code_prompts(files) -> list[str]:
 
 def _text_prompts(files) -> list[str]:
     prompts = []
-    for path in files:
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="ignore")))
-        except SyntaxError:
-            continue
+    for _, tree in _parsed(files):
+        doc = ast.get_docstring(tree)
         prompt = '"""' + doc[:200].rsplit(" ", 1)[0] if doc and len(doc) > 80 else None
         if prompt and prompt not in prompts:
             prompts.append(prompt)
@@ -87,12 +89,7 @@ def _mixed_prompts(code: list[str], text: list[str]) -> list[str]:
 def _long_prompts(files, tokenizer) -> list[str]:
     """One prompt per held-out file, from its first top-level definition."""
     prompts = []
-    for path in files:
-        src = path.read_text(encoding="utf-8", errors="ignore")
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
-            continue
+    for src, tree in _parsed(files):
         starts = [n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
         if not starts:
             continue
