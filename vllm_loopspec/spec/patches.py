@@ -4,11 +4,15 @@ vLLM 0.32 has no extension point for a new speculative method: its
 ``SpeculativeConfig.method`` is a closed ``Literal`` and the runner dispatches
 on it. loopspec therefore rides on the built-in ``custom_class`` method (which
 gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
-and metrics) and translates the user's ``loopspec`` request into it. Two
-functions are wrapped (:func:`apply`), and on CPU one broken kernel fallback
-of vLLM is replaced (:func:`fix_cpu_expand_kernel`) and one module scan of
-vLLM is kept from crashing (:func:`guard_kernel_rebind_scan`). The worker classes in
-``runner`` are vLLM's documented ``--worker-cls`` extension point, not patches.
+and metrics) and translates the user's ``loopspec`` request into it. :func:`apply`
+wraps four vLLM functions, numbered in the comments and docstrings below:
+1. ``EngineArgs.add_cli_args`` and 2. ``EngineArgs.create_speculative_config``
+(the ``loopspec`` method); 3. ``CpuPlatform.register_triton_kernel_overrides``,
+followed by a correct ``expand_kernel`` (:func:`fix_cpu_expand_kernel`); and
+4. ``dispatcher._rebind_kernels``, kept from crashing once numba is imported
+(:func:`guard_kernel_rebind_scan`). Patches 3 and 4 fix vLLM bugs for every
+engine of the process, whatever its method. The worker classes in ``runner``
+are vLLM's documented ``--worker-cls`` extension point, not patches.
 """
 
 from __future__ import annotations
@@ -125,6 +129,9 @@ def fix_cpu_expand_kernel() -> None:
 
 
 def _fix_expand_after_platform_overrides() -> None:
+    """Patch 3's hook: wrap ``CpuPlatform.register_triton_kernel_overrides``
+    so that the fix follows every (re-)registration of vLLM's CPU kernels;
+    each new engine's worker registers them again."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
