@@ -178,12 +178,58 @@ def guard_kernel_rebind_scan() -> None:
     dispatcher._rebind_kernels = rebind_kernels
 
 
+def apply_top_k_only_or_pass(original):
+    """``original`` (vLLM's ``apply_top_k_only``), except that a batch of no
+    rows is returned as it is."""
+
+    def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        if k.numel() == 0:
+            return logits
+        return original(logits, k)
+
+    apply_top_k_only._loopspec_original = original
+    return apply_top_k_only
+
+
+def fix_top_k_only_on_empty_batch() -> None:
+    """Patch 5 — ``vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_only``.
+
+    Root cause (vLLM 0.32, report upstream): with any speculative method,
+    ``GPUModelRunner._prepare_inputs`` builds ``SpecDecodeMetadata`` for every
+    step, also for steps in which no request carries drafts (the prefill step,
+    or steps where every draft list is empty), and ``_sample`` then sends the
+    step through ``RejectionSampler.forward``. Its
+    ``apply_sampling_constraints`` processes the *target* logits, which have
+    zero rows in such a step. For a batch with some ``top_k`` and no
+    ``top_p``, ``apply_top_k_top_p`` takes the PyTorch path wherever Triton
+    is absent (every CPU build) and, with ``allow_cpu_sync`` (CPU), calls
+    ``apply_top_k_only``, whose ``k.max()`` raises on an empty tensor
+    (``max(): Expected reduction dim to be specified for input.numel() ==
+    0``). The exception escapes the worker and the engine core dies: one
+    valid request takes down every speculative CPU server (loopspec, ngram,
+    suffix alike). Greedy batches return before top-k, and a batch with any
+    ``top_p`` sorts instead, which copes with zero rows; native decoding
+    never sends an empty batch. The fix: an empty batch has nothing to mask.
+    Applied only where the PyTorch path is reachable (no Triton)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if topk_topp_sampler.HAS_TRITON:
+        return
+    current = topk_topp_sampler.apply_top_k_only
+    if getattr(current, "_loopspec_original", None) is not None:
+        return
+    # apply_top_k_top_p_pytorch looks the function up in its module at call
+    # time, so replacing the module attribute reaches every caller.
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only_or_pass(current)
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
     if _applied:
         return
     guard_kernel_rebind_scan()
+    fix_top_k_only_on_empty_batch()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 

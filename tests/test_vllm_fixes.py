@@ -1,0 +1,49 @@
+"""Patch 5 (``patches.fix_top_k_only_on_empty_batch``): vLLM's top-k-only
+mask must accept a step with no target rows, which every speculative step
+without drafts produces on CPU."""
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from vllm_loopspec.spec import patches
+
+
+def test_vllm_top_k_only_still_crashes_on_an_empty_batch():
+    """The upstream bug the patch works around; when this fails, vLLM fixed
+    it and patch 5 can go."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    original = getattr(topk_topp_sampler.apply_top_k_only, "_loopspec_original",
+                       topk_topp_sampler.apply_top_k_only)
+    with pytest.raises(RuntimeError, match="numel"):
+        original(torch.empty(0, 16), torch.empty(0, dtype=torch.int32))
+
+
+def test_patched_top_k_only_passes_an_empty_batch_and_masks_others():
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    patches.fix_top_k_only_on_empty_batch()
+    empty = torch.empty(0, 16)
+    out = topk_topp_sampler.apply_top_k_top_p_pytorch(empty, torch.empty(0, dtype=torch.int32), None,
+                                                       allow_cpu_sync=True)
+    assert out.shape == (0, 16)
+    logits = torch.arange(16, dtype=torch.float32).repeat(2, 1)
+    masked = topk_topp_sampler.apply_top_k_top_p_pytorch(logits.clone(), torch.tensor([3, 16], dtype=torch.int32),
+                                                         None, allow_cpu_sync=True)
+    assert torch.isfinite(masked[0]).sum() == 3 and masked[0, -3:].tolist() == [13.0, 14.0, 15.0]
+    assert torch.isfinite(masked[1]).all()
+
+
+def test_top_k_without_top_p_is_served_by_loopspec(loopspec_llms, tokenizer):
+    """The request that used to kill the engine (issue 10), then a greedy one."""
+    llm = loopspec_llms(4)
+    ids = tokenizer("def foo(x):")["input_ids"]
+    for seed in (None, 7):
+        out = llm.generate([{"prompt_token_ids": ids}],
+                           SamplingParams(max_tokens=30, temperature=0.9, top_k=20, seed=seed, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 30
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
