@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo test test-fast bench bench-all bench-report suffix-decoding clean
+.PHONY: install demo test test-fast bench bench-all bench-report suffix-decoding soak clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ bench-all: $(STAMP)
 
 bench-report: $(STAMP)
 	$(PY) benchmarks/report.py
+
+# 2000 mixed requests at concurrency 16 against a loopspec server, greedy ones
+# replayed on a native server; report in benchmarks/results/soak_2000x16.json.
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py
 
 # vLLM's `suffix` method needs arctic-inference (sdist only: builds its CPU
 # suffix tree, ~1-2 min). Its setup.py passes the old -DPYTHON_EXECUTABLE
