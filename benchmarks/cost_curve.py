@@ -36,6 +36,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT_TOKENS = 8
@@ -63,7 +65,7 @@ def layer_weight_count(config) -> int:
 
 def loop_timer(llm) -> list[float]:
     """Time every ``run_loops`` call of this engine's model, per loop run."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     model = runner.model.model
     samples: list[float] = []
     original = model.run_loops

@@ -37,8 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loopspec_decode  # noqa: E402  (shared trial machinery; sets the in-process env)
+from vllm_loopspec.engine_internals import model_runner, scheduler as engine_scheduler  # noqa: E402
 from loopspec_decode import (  # noqa: E402
-    RESULTS, ROOT, cost_model, counter_delta, decode_trial, load_prompts, median_profile, runner_of,
+    RESULTS, ROOT, cost_model, counter_delta, decode_trial, load_prompts, median_profile,
     total_spec_counts,
 )
 
@@ -83,7 +84,7 @@ class SchedulerSpecCounter:
 
     def __init__(self, llm) -> None:
         self.totals = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        scheduler = engine_scheduler(llm)
         original = scheduler.make_spec_decoding_stats
 
         def counted(stats, num_draft_tokens, num_accepted_tokens, *a, **kw):
@@ -201,7 +202,7 @@ def main() -> None:
     tokenizer = engines["native"].get_tokenizer()
     prompt_tokens = max(len(tokenizer.encode(p)) for s in args.settings for p in prompt_sets[s])
     kv = check_kv_capacity(engines["native"], args, prompt_tokens)
-    loops = runner_of(engines["native"]).model.num_loops
+    loops = model_runner(engines["native"]).model.num_loops
     names = list(engines)
 
     for name in names:  # warm every arm at every batch shape once

@@ -34,6 +34,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -46,7 +48,7 @@ def load_prompts(name: str) -> list[str]:
 def spec_counters(llm) -> dict:
     """This engine's acceptance counters (loopspec's per-runner stats: vLLM's
     Prometheus counters are process-wide and belong to the newest engine)."""
-    stats = getattr(runner_of(llm), "loopspec_stats", None)
+    stats = getattr(model_runner(llm), "loopspec_stats", None)
     if stats is None:
         return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
     return {"drafts": stats.speculating_rows, "draft_tokens": stats.drafted_tokens,
@@ -60,10 +62,6 @@ def counter_delta(after: dict, before: dict) -> dict:
 
     return ({k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
             | {"per_pos": vec("per_pos"), "drafted_per_pos": vec("drafted_per_pos")})
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False, temperature: float = 0.0) -> dict:
@@ -80,7 +78,7 @@ def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False
     while len(produced) < len(prompts):
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
-    runner = runner_of(llm)
+    runner = model_runner(llm)
     forward_time = [0.0]
     original_forward = runner._model_forward
     if profile:
@@ -212,7 +210,7 @@ def main() -> None:
     for k in args.ks:
         arms[f"K{k}"] = LLM(str(args.checkpoint), speculative_config={
             "method": "loopspec", "num_speculative_tokens": k, "draft_loops": args.draft_loops}, **common)
-    loops = runner_of(arms["native"]).model.num_loops
+    loops = model_runner(arms["native"]).model.num_loops
     names = list(arms)
     runs = {c: {n: [] for n in names} for c in args.concurrency}
     for name in names:  # warm up every arm at every concurrency

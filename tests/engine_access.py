@@ -1,16 +1,20 @@
-"""Reach inside an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+"""Reach inside an in-process vLLM engine (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+
+The attribute path itself lives in ``vllm_loopspec.engine_internals``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
-def engine_core(llm):
-    return llm.llm_engine.engine_core.engine_core
+__all__ = ["engine_core", "model_runner", "scheduler", "served_model", "read_kv", "free_blocks", "spec_metrics"]
 
-
-def model_runner(llm):
-    return engine_core(llm).model_executor.driver_worker.worker.model_runner
+# KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
+# chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
+# oracle on x86 ("vec": fp32, head_dim a multiple of 32).
+KNOWN_KV_LAYOUTS = ("vec",)
 
 
 def served_model(llm):
@@ -20,10 +24,16 @@ def served_model(llm):
 def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(key, value) of one token slot of one cache layer, each [kv_heads, head_dim].
 
-    vLLM 0.32's CPU backend stores a block per head as keys transposed
-    ([head_dim, block_size]) followed by values ([block_size, head_dim]);
-    tests check this reading against the oracle at committed positions."""
+    vLLM 0.32's CPU backend, in its x86 "vec" layout, stores a block per head
+    as keys transposed ([head_dim, block_size]) followed by values
+    ([block_size, head_dim]); tests check this reading against the oracle at
+    committed positions. Other layouts (ARM "neon", "amx", GPU backends)
+    are not decoded here: the calling test is skipped with the reason."""
     attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
+    isa = getattr(attn, "isa", None)
+    if isa not in KNOWN_KV_LAYOUTS:
+        pytest.skip(f"reading KV slots needs vLLM's CPU 'vec' cache layout; this engine's attention "
+                    f"uses {isa or type(attn.impl).__name__!r}")
     cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
     blocks, heads, block_size, two_hd = cache.shape
     hd = two_hd // 2
@@ -35,7 +45,7 @@ def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def free_blocks(llm) -> int:
-    return engine_core(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return scheduler(llm).kv_cache_manager.block_pool.get_num_free_blocks()
 
 
 def spec_metrics(llm) -> dict:

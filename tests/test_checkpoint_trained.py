@@ -118,14 +118,35 @@ def test_last_loop_beats_first_loop_on_held_out(model, tok):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
-def test_eval_json_is_consistent():
-    ev = json.loads((CKPT / "eval.json").read_text())
-    cfg = json.loads((CKPT / "config.json").read_text())
-    R = cfg["total_ut_steps"]
-    tf, gen = ev["teacher_forced"], ev["greedy_continuations"]
-    assert len(tf["loss_per_loop"]) == R
-    assert tf["loss_per_loop"][-1] < tf["loss_per_loop"][0]
-    for d in range(1, R):
-        assert 0.0 < tf["argmax_agreement_with_loop_R"][str(d)] < 1.0
-        assert 0.0 < gen["argmax_agreement_with_loop_R"][str(d)] <= 1.0
-    assert gen["cached_decoder_matches_oracle_greedy_generate"] is True
+@torch.no_grad()
+def test_eval_json_describes_the_shipped_weights(model):
+    """eval.json's teacher-forced figures are recomputed on every 8th of its
+    256 held-out windows (4 s instead of a minute); a subset estimates the
+    full-set means, so the tolerances are a few standard errors wide. A file
+    recorded from other weights or another split misses them."""
+    from vllm_loopspec.training.data import held_out_windows
+    from vllm_loopspec.training.evaluate import held_out_stream, teacher_forced
+
+    recorded = json.loads((CKPT / "eval.json").read_text())
+    tf = recorded["teacher_forced"]
+    stream = held_out_stream(CKPT)
+    assert stream.size == recorded["held_out"]["stream_tokens"]
+    windows = torch.from_numpy(held_out_windows(stream, recorded["held_out"]["context"] + 1, 256))
+    got = teacher_forced(model, windows[::8])
+    assert got["loss_per_loop"] == pytest.approx(tf["loss_per_loop"], abs=0.15)
+    assert got["next_token_accuracy_per_loop"] == pytest.approx(tf["next_token_accuracy_per_loop"], abs=0.02)
+    assert got["mean_exit_probability_per_loop"] == pytest.approx(tf["mean_exit_probability_per_loop"], abs=0.02)
+    for d, agreement in tf["argmax_agreement_with_loop_R"].items():
+        assert got["argmax_agreement_with_loop_R"][d] == pytest.approx(agreement, abs=0.03), d
+
+
+def test_simulated_tokens_per_round_counts_rounds():
+    """The evaluation's acceptance simulation on hand-checked rows, K=2.
+    Row ``1 1 0 1``: a round accepts positions 0-1 and emits 3 (the bonus
+    covers position 2), the next accepts position 3 and emits 2. Row
+    ``1 1 1 1`` tiles the same way: 4 rounds, 10 tokens."""
+    from vllm_loopspec.training.evaluate import mean_tokens_per_round
+
+    agree = np.array([[1, 1, 0, 1], [1, 1, 1, 1]], dtype=bool)
+    assert mean_tokens_per_round(agree, 2) == pytest.approx(10 / 4)
+    assert mean_tokens_per_round(np.zeros((1, 3), dtype=bool), 4) == 1.0

@@ -4,12 +4,21 @@ all before an engine starts."""
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_loopspec.spec.patches import CPU_WORKER_CLASS, PROPOSER_CLASS, parse_speculative_config_arg
+from vllm.platforms import current_platform
+
+from vllm_loopspec.spec.patches import (
+    CPU_WORKER_CLASS,
+    GPU_WORKER_CLASS,
+    PROPOSER_CLASS,
+    parse_speculative_config_arg,
+)
+
+# The loopspec worker of this host's platform (vLLM's CPU or GPU worker underneath).
+EXPECTED_WORKER = CPU_WORKER_CLASS if current_platform.is_cpu() else GPU_WORKER_CLASS
 
 
 def _config(ckpt, spec, **kw):
@@ -27,7 +36,7 @@ def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
         assert cfg.speculative_config.model == PROPOSER_CLASS
         assert cfg.speculative_config.num_speculative_tokens == k
         assert cfg.additional_config["loopspec"]["draft_loops"] == d
-        assert cfg.parallel_config.worker_cls == CPU_WORKER_CLASS
+        assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
 
 
 def test_cli_parses_bare_word():
@@ -46,7 +55,7 @@ def test_cli_parses_bare_word():
         ({"method": "loopspec", "draft_loops": 0}, {}, "1 <= draft_loops < total_ut_steps (4)"),
         ({"method": "loopspec", "K": 4}, {}, "unknown loopspec option(s) ['K']"),
         ({"method": "loopspec"}, {"async_scheduling": True}, "remove --async-scheduling"),
-        ({"method": "loopspec"}, {"worker_cls": "vllm.v1.worker.cpu_worker.CPUWorker"}, "remove --worker-cls"),
+        ({"method": "loopspec"}, {"worker_cls": "some.other.Worker"}, "remove --worker-cls"),
         ({"method": "loopspec"}, {"hf_overrides": {"early_exit_threshold": 0.5}}, "needs fixed-depth decoding"),
     ],
 )
@@ -75,7 +84,6 @@ def test_vllm_serve_refuses_before_listening(tiny_checkpoint):
     from vllm_loopspec.server_process import free_port, vllm_command
 
     port = free_port()
-    t = time.time()
     out = subprocess.run(
         [vllm_command(), "serve", str(tiny_checkpoint), "--port", str(port),
          "--speculative-config", '{"method":"loopspec","draft_loops":7}'],
@@ -83,7 +91,6 @@ def test_vllm_serve_refuses_before_listening(tiny_checkpoint):
     assert out.returncode != 0
     assert "1 <= draft_loops < total_ut_steps (4)" in out.stderr + out.stdout
     assert "Uvicorn running" not in out.stderr + out.stdout
-    assert time.time() - t < 120
 
 
 def test_cpu_expand_kernel_fix_handles_floats_and_ints():

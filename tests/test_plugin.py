@@ -26,10 +26,31 @@ def test_entry_point_registers_in_fresh_process():
 
 
 def test_register_is_idempotent():
+    """vLLM calls the entry point in every process, possibly more than once:
+    a second call must leave the registrations and every patched vLLM
+    function as they are (a re-wrapped patch would run twice per call)."""
+    from transformers import AutoConfig
+    from vllm import ModelRegistry
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.transformers_utils.config import _CONFIG_REGISTRY
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.sample.ops import topk_topp_sampler
+
     from vllm_loopspec import register
+    from vllm_loopspec.config import OuroConfig
+
+    def patched():
+        return (EngineArgs.add_cli_args, EngineArgs.create_speculative_config, dispatcher._rebind_kernels,
+                topk_topp_sampler.apply_top_k_only)
 
     register()
+    before = patched()
     register()
+    register()
+    assert patched() == before
+    assert "OuroForCausalLM" in ModelRegistry.get_supported_archs()
+    assert _CONFIG_REGISTRY["ouro"] is OuroConfig
+    assert AutoConfig.for_model("ouro").__class__ is OuroConfig
 
 
 def test_engine_allocates_one_kv_layer_per_loop_and_layer(native_llm, tiny_checkpoint):
