@@ -9,7 +9,9 @@ import torch
 
 from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
-__all__ = ["engine_core", "model_runner", "scheduler", "served_model", "read_kv", "free_blocks", "spec_metrics"]
+__all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason", "skip_unless_kv_readable",
+           "read_kv",
+           "free_blocks", "spec_metrics"]
 
 # KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
 # chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
@@ -21,6 +23,28 @@ def served_model(llm):
     return model_runner(llm).model
 
 
+def _kv_layout(llm, layer_name: str) -> str:
+    attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
+    return getattr(attn, "isa", None) or type(attn.impl).__name__
+
+
+def kv_unreadable_reason(llm) -> str | None:
+    """Why :func:`read_kv` cannot decode this engine's KV layout, or None."""
+    layer = next(iter(model_runner(llm).compilation_config.static_forward_context))
+    layout = _kv_layout(llm, layer)
+    if layout in KNOWN_KV_LAYOUTS:
+        return None
+    return f"reading KV slots needs vLLM's CPU 'vec' cache layout (x86); this engine's attention uses {layout!r}"
+
+
+def skip_unless_kv_readable(llm) -> None:
+    """Skip the calling test, with the reason, where :func:`read_kv` cannot
+    decode the engine's KV layout. Call it before any request is in flight."""
+    reason = kv_unreadable_reason(llm)
+    if reason:
+        pytest.skip(reason)
+
+
 def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(key, value) of one token slot of one cache layer, each [kv_heads, head_dim].
 
@@ -28,12 +52,10 @@ def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor
     as keys transposed ([head_dim, block_size]) followed by values
     ([block_size, head_dim]); tests check this reading against the oracle at
     committed positions. Other layouts (ARM "neon", "amx", GPU backends)
-    are not decoded here: the calling test is skipped with the reason."""
+    are not decoded here (see :func:`skip_unless_kv_readable`)."""
+    layout = _kv_layout(llm, layer_name)
+    assert layout in KNOWN_KV_LAYOUTS, f"cannot decode KV layout {layout!r}; call skip_unless_kv_readable first"
     attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
-    isa = getattr(attn, "isa", None)
-    if isa not in KNOWN_KV_LAYOUTS:
-        pytest.skip(f"reading KV slots needs vLLM's CPU 'vec' cache layout; this engine's attention "
-                    f"uses {isa or type(attn.impl).__name__!r}")
     cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
     blocks, heads, block_size, two_hd = cache.shape
     hd = two_hd // 2
