@@ -9,9 +9,8 @@ import torch
 
 from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
-__all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason", "skip_unless_kv_readable",
-           "read_kv",
-           "free_blocks", "spec_metrics"]
+__all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason",
+           "skip_unless_kv_readable", "read_kv", "free_blocks", "spec_metrics"]
 
 # KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
 # chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
