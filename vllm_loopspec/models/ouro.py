@@ -8,14 +8,22 @@ cache manager then allocates ``N*R`` layers in one group, and a query at loop
 
 After every loop the residual stream goes through ``model.norm``; that normed
 state is the loop's exit (its logits are ``lm_head`` of it) and the next
-loop's input. :meth:`OuroModel.run_loops` runs any loop range from given
-hidden states, which is what loopspec needs to reuse shallow work: draft with
-loops ``[0, d)``, verify with ``[d, R)`` starting from the kept states.
+loop's input.
+
+The unit of work is a *tick*: one application of the shared layer stack to a
+set of rows, each row tagged with the loop it is at (:class:`LoopGroup`,
+contiguous rows at one loop). The projections and the MLP run once over all
+rows of the tick; attention runs per group against that loop's own
+``Attention`` layer and KV. :meth:`OuroModel.run_tick` is what loopspec's
+round is made of (draft with loops ``[0, d)``, verify with ``[d, R)`` from
+the kept states, or rows at several depths at once); :meth:`OuroModel.forward`
+stays the plain ``R``-loop path of native serving.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,6 +50,16 @@ from vllm.sequence import IntermediateTensors
 
 # Observer called after every loop with (loop index, normed exit state).
 LoopObserver = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class LoopGroup:
+    """Rows ``[start, end)`` of a tick, all at ``loop`` (0-based). The
+    attention metadata of that loop's layers describes exactly these rows."""
+
+    loop: int
+    start: int
+    end: int
 
 
 def kv_layer_name(loop: int, layer: int, num_layers: int) -> str:
@@ -109,11 +127,16 @@ class OuroAttention(nn.Module):
             for loop in range(config.total_ut_steps)
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, loop: int) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, groups: Sequence[LoopGroup]) -> torch.Tensor:
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        out, _ = self.o_proj(self.attn[loop](q, k, v))
+        if len(groups) == 1:  # every row at one loop: no split
+            attn = self.attn[groups[0].loop](q, k, v)
+        else:
+            attn = torch.cat([self.attn[g.loop](q[g.start:g.end], k[g.start:g.end], v[g.start:g.end])
+                              for g in groups])
+        out, _ = self.o_proj(attn)
         return out
 
 
@@ -131,7 +154,7 @@ class OuroDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm_2 = RMSNorm(config.hidden_size, eps=eps)
 
-    def forward(self, positions, hidden_states, loop, residual):
+    def forward(self, positions, hidden_states, groups, residual):
         # The residual stream is carried separately and summed by the fused
         # add-norms: after the call ``hidden_states + residual`` is ``h``.
         if residual is None:
@@ -139,7 +162,7 @@ class OuroDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.input_layernorm_2(self.self_attn(positions, hidden_states, loop))
+        hidden_states = self.input_layernorm_2(self.self_attn(positions, hidden_states, groups))
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         hidden_states = self.post_attention_layernorm_2(self.mlp(hidden_states))
         return hidden_states, residual
@@ -168,19 +191,30 @@ class OuroModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def run_tick(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, groups: Sequence[LoopGroup]
+    ) -> torch.Tensor:
+        """One tick: every row advances one loop (row ``r`` of group ``g``
+        from loop ``g.loop``'s input to its normed exit state). The groups
+        tile the rows in order; the current forward context holds, for each
+        group's loop, attention metadata over exactly that group's rows."""
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, groups, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        for observe in self.loop_observers:
+            for g in groups:
+                observe(g.loop, hidden_states[g.start:g.end])
+        return hidden_states
+
     def run_loops(
         self, hidden_states: torch.Tensor, positions: torch.Tensor, start: int, end: int
     ) -> torch.Tensor:
-        """Run loops ``[start, end)`` on the given rows and return the exit state
-        of loop ``end-1``. The rows are whatever the current attention metadata
-        describes: all scheduled tokens, or the subset a drafter set up."""
+        """Ticks for loops ``[start, end)`` over the same rows, all at one
+        loop per tick; returns the exit state of loop ``end-1``."""
+        rows = hidden_states.shape[0]
         for loop in range(start, end):
-            residual = None
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, loop, residual)
-            hidden_states, _ = self.norm(hidden_states, residual)
-            for observe in self.loop_observers:
-                observe(loop, hidden_states)
+            hidden_states = self.run_tick(hidden_states, positions, (LoopGroup(loop, 0, rows),))
         return hidden_states
 
     def exit_lambda(self, hidden_states: torch.Tensor) -> torch.Tensor:
