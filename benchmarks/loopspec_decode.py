@@ -33,6 +33,7 @@ from pathlib import Path
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOOPSPEC_DEBUG", "1")  # the drafter with the profiling hook
 
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
 
@@ -48,7 +49,8 @@ def load_prompts(name: str) -> list[str]:
 def spec_counters(llm) -> dict:
     """This engine's acceptance counters (loopspec's per-runner stats: vLLM's
     Prometheus counters are process-wide and belong to the newest engine)."""
-    stats = getattr(model_runner(llm), "loopspec_stats", None)
+    drafter = getattr(model_runner(llm), "drafter", None)
+    stats = getattr(drafter, "stats", None)
     if stats is None:
         return {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "drafted_per_pos": []}
     return {"drafts": stats.speculating_rows, "draft_tokens": stats.drafted_tokens,
@@ -82,8 +84,8 @@ def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False
     forward_time = [0.0]
     original_forward = runner._model_forward
     if profile:
-        if hasattr(runner, "loopspec_profile"):
-            runner.loopspec_profile = {}
+        if hasattr(getattr(runner, "drafter", None), "profile"):
+            runner.drafter.profile = {}
 
         def timed_forward(*args, **kwargs):
             start = time.perf_counter()
@@ -111,9 +113,9 @@ def decode_trial(llm, prompts: list[str], new_tokens: int, profile: bool = False
     if profile:
         runner._model_forward = original_forward
         result["forward_seconds"] = forward_time[0]
-        if hasattr(runner, "loopspec_profile"):
-            result["phases"] = runner.loopspec_profile
-            runner.loopspec_profile = None
+        if hasattr(getattr(runner, "drafter", None), "profile"):
+            result["phases"] = runner.drafter.profile
+            runner.drafter.profile = None
     return result
 
 

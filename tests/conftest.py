@@ -15,6 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Spinning OpenMP waits make small ops crawl when the oracle and the engine
 # share the two cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# loopspec engines get the drafter with test hooks (draft override, trace,
+# profile; vllm_loopspec/speculative/debug.py).
+os.environ["VLLM_LOOPSPEC_DEBUG"] = "1"
 
 import pytest
 

@@ -10,7 +10,7 @@ import torch
 from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
 __all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason",
-           "skip_unless_kv_readable", "read_kv", "free_blocks", "spec_metrics"]
+           "skip_unless_kv_readable", "read_kv", "free_blocks", "spec_metrics", "observe_loops"]
 
 # KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
 # chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
@@ -73,9 +73,26 @@ def spec_metrics(llm) -> dict:
     """vLLM's spec_decode counters. vLLM reads them from the process-wide
     Prometheus registry, which holds the *newest* in-process engine's
     collectors: call it only on the engine created last (per-engine figures
-    are in ``model_runner(llm).loopspec_stats``)."""
+    are in ``model_runner(llm).drafter.stats``)."""
     out = {}
     for m in llm.get_metrics():
         if m.name.startswith("vllm:spec_decode"):
             out[m.name] = getattr(m, "values", None) if hasattr(m, "values") else m.value
     return out
+
+
+def observe_loops(llm, observer):
+    """Call ``observer(loop, exit_states)`` after every tick of the served
+    model, per loop group, until the returned function is called (wraps this
+    model instance's ``run_tick``; the model itself has no hooks)."""
+    model = served_model(llm).model
+    original = model.run_tick
+
+    def run_tick(hidden_states, positions, groups):
+        out = original(hidden_states, positions, groups)
+        for g in groups:
+            observer(g.loop, out[g.start:g.end])
+        return out
+
+    model.run_tick = run_tick
+    return lambda: model.__dict__.pop("run_tick", None)

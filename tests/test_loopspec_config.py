@@ -2,6 +2,7 @@
 all before an engine starts."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,15 +11,18 @@ from vllm.engine.arg_utils import EngineArgs
 
 from vllm.platforms import current_platform
 
-from vllm_loopspec.spec.patches import (
+from vllm_loopspec.patches import (
     CPU_WORKER_CLASS,
     GPU_WORKER_CLASS,
-    PROPOSER_CLASS,
+    DEBUG_DRAFTER_CLASS,
+    DRAFTER_CLASS,
     parse_speculative_config_arg,
 )
 
 # The loopspec worker of this host's platform (vLLM's CPU or GPU worker underneath).
 EXPECTED_WORKER = CPU_WORKER_CLASS if current_platform.is_cpu() else GPU_WORKER_CLASS
+# The suite runs engines with the debug drafter (tests/conftest.py).
+EXPECTED_DRAFTER = DEBUG_DRAFTER_CLASS if os.environ.get("VLLM_LOOPSPEC_DEBUG") == "1" else DRAFTER_CLASS
 
 
 def _config(ckpt, spec, **kw):
@@ -33,7 +37,7 @@ def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
                        ("loopspec", 4, 2)]:
         cfg = _config(tiny_checkpoint, spec)
         assert cfg.speculative_config.method == "custom_class"
-        assert cfg.speculative_config.model == PROPOSER_CLASS
+        assert cfg.speculative_config.model == EXPECTED_DRAFTER
         assert cfg.speculative_config.num_speculative_tokens == k
         assert cfg.additional_config["loopspec"]["draft_loops"] == d
         assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
@@ -98,7 +102,7 @@ def test_cpu_expand_kernel_fix_handles_floats_and_ints():
     patches.fix_cpu_expand_kernel); ours expands both."""
     import torch
 
-    from vllm_loopspec.spec.patches import expand_batch_to_tokens_cpu
+    from vllm_loopspec.patches import expand_batch_to_tokens_cpu
 
     out = torch.empty(5)
     expand_batch_to_tokens_cpu(out, torch.tensor([0.7, -1.0, 1.3]), torch.tensor([2, 4, 5]), -1, 1)

@@ -5,7 +5,7 @@ import pytest
 from vllm import SamplingParams
 
 from conftest import MAX_BATCHED_TOKENS
-from engine_access import model_runner
+from engine_access import observe_loops, model_runner
 from prompts import MEDIUM, SHORT, long_prompt
 
 KS = [1, 2, 4, 8]
@@ -63,7 +63,7 @@ def test_drafts_are_both_accepted_and_rejected(loopspec_llms, prompts, k):
     """Otherwise the equality tests above would not exercise both paths."""
     llm = loopspec_llms(k)
     llm.generate(prompts[:8], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
-    stats = model_runner(llm).loopspec_stats
+    stats = model_runner(llm).drafter.stats
     assert stats.drafted_tokens > 0
     assert 0 < stats.accepted_tokens < stats.drafted_tokens
 
@@ -79,14 +79,14 @@ def test_every_loop_processes_k_plus_1_rows_per_round(loopspec_llms, tokenizer):
     observer = lambda loop, h: calls.append((loop, h.shape[0]))  # noqa: E731
     prompt = SHORT[2]
     n_prompt = len(tokenizer(prompt)["input_ids"])
-    model.model.loop_observers.append(observer)
+    stop_observing = observe_loops(llm, observer)
     trace: list[dict] = []
-    model_runner(llm).loopspec_trace = trace
+    model_runner(llm).drafter.trace = trace
     try:
         llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
     finally:
-        model.model.loop_observers.remove(observer)
-        model_runner(llm).loopspec_trace = None
+        stop_observing()
+        model_runner(llm).drafter.trace = None
     d, loops = 2, model.num_loops
     round_sizes = [len(r["tokens"]) for step in trace for r in step.values()]  # K_i + 1 each
     assert round_sizes and max(round_sizes) == k + 1

@@ -111,7 +111,7 @@ def test_sampled_loopspec_recovers_target_distribution(v16, v16_llm, setting):
     _, oracle = v16
     proc = SETTINGS[setting]
     params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, **proc)
-    stats = model_runner(v16_llm).loopspec_stats
+    stats = model_runner(v16_llm).drafter.stats
     drafted_before = stats.drafted_tokens
     outs = v16_llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
     seqs = [list(o.outputs[0].token_ids) for o in outs]
@@ -145,4 +145,4 @@ def test_seeded_requests_replay_exactly(v16_llm):
     again = run([2, 0, 1], filler=5)  # other order, other batch neighbours
     assert first == again
     assert len({tuple(v) for v in first.values()}) == 3  # different seeds differ
-    assert model_runner(v16_llm).loopspec_stats.rounds > 0
+    assert model_runner(v16_llm).drafter.stats.rounds > 0

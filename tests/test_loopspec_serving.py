@@ -53,13 +53,13 @@ def test_stop_token_inside_accepted_run_cuts_there(loopspec_llms, native_llm, st
     expected, expected_text = _native(native_llm, prompt_ids, params)
     assert expected == free_run[: stop_index + 1]
     trace = []
-    runner.loopspec_draft_override = _accept_everything(full)
-    runner.loopspec_trace = trace
+    runner.drafter.draft_override = _accept_everything(full)
+    runner.drafter.trace = trace
     try:
         out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
     finally:
-        runner.loopspec_draft_override = None
-        runner.loopspec_trace = None
+        runner.drafter.draft_override = None
+        runner.drafter.trace = None
     assert list(out.token_ids) == expected
     assert out.text == expected_text
     assert out.finish_reason == "stop"
@@ -75,11 +75,11 @@ def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer):
     stop = tokenizer.decode(free_ids[2:4]).strip()[:3] or tokenizer.decode(free_ids[2:4])
     params = SamplingParams(max_tokens=30, temperature=0, stop=[stop])
     expected_ids, expected_text = _native(native_llm, prompt_ids, params)
-    runner.loopspec_draft_override = _accept_everything(prompt_ids + free_ids)
+    runner.drafter.draft_override = _accept_everything(prompt_ids + free_ids)
     try:
         out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
     finally:
-        runner.loopspec_draft_override = None
+        runner.drafter.draft_override = None
     assert out.text == expected_text
     assert list(out.token_ids) == expected_ids
     assert len(expected_ids) < 30
@@ -95,7 +95,7 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
         for p in step_prompts:
             expected[p] = list(native_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
     engine = llm.llm_engine
-    rounds_before = model_runner(llm).loopspec_stats.rounds
+    rounds_before = model_runner(llm).drafter.stats.rounds
     got, step, rid_to_prompt = {}, 0, {}
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i, p in enumerate(arrivals.get(step, [])):
@@ -107,7 +107,7 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
                 got[rid_to_prompt[out.request_id]] = list(out.outputs[0].token_ids)
         step += 1
     assert got == expected
-    assert model_runner(llm).loopspec_stats.rounds > rounds_before
+    assert model_runner(llm).drafter.stats.rounds > rounds_before
 
 
 def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
@@ -156,7 +156,7 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
     outs = llm.generate(SHORT, params, use_tqdm=False)
     total = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = model_runner(llm).loopspec_stats
+    stats = model_runner(llm).drafter.stats
     m = spec_metrics(llm)
     assert m["vllm:spec_decode_num_drafts"] == stats.speculating_rows
     assert m["vllm:spec_decode_num_draft_tokens"] == stats.drafted_tokens
@@ -191,11 +191,11 @@ def test_k_shrinks_at_the_context_limit(loopspec_llms, native_llm, tokenizer):
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     want = native_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
     trace = []
-    model_runner(llm).loopspec_trace = trace
+    model_runner(llm).drafter.trace = trace
     try:
         got = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
     finally:
-        model_runner(llm).loopspec_trace = None
+        model_runner(llm).drafter.trace = None
     assert list(got.token_ids) == list(want.token_ids)
     assert len(ids) + len(got.token_ids) <= 1024
     last_positions = [r["positions"][-1] for step in trace for r in step.values()]

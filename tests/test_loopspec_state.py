@@ -5,7 +5,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from engine_access import engine_core, model_runner, read_kv, skip_unless_kv_readable
+from engine_access import observe_loops, engine_core, model_runner, read_kv, skip_unless_kv_readable
 from prompts import SHORT
 
 K = 4
@@ -77,14 +77,14 @@ def test_reused_states_kv_and_logits_equal_serial_oracle(loopspec_llms, oracle, 
         checked["rounds"] += 1
 
     observer = lambda loop, h: calls.append((loop, h.detach().clone()))  # noqa: E731
-    model.model.loop_observers.append(observer)
-    runner.loopspec_trace = trace
+    stop_observing = observe_loops(llm, observer)
+    runner.drafter.trace = trace
     try:
         ids = tokenizer(SHORT[5])["input_ids"]
         _run_steps(llm, ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), check_step)
     finally:
-        model.model.loop_observers.remove(observer)
-        runner.loopspec_trace = None
+        stop_observing()
+        runner.drafter.trace = None
     assert checked["rounds"] >= 4
     assert checked["rejected_positions"] > 0
 
@@ -135,13 +135,13 @@ def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, na
             if req is not None:
                 frontiers.append((req.num_computed_tokens, rnd["positions"][0] + 1 + accepted))
 
-    runner.loopspec_draft_override = override
-    runner.loopspec_trace = trace
+    runner.drafter.draft_override = override
+    runner.drafter.trace = trace
     try:
         out = _run_steps(llm, prompt_ids, params, on_step)
     finally:
-        runner.loopspec_draft_override = None
-        runner.loopspec_trace = None
+        runner.drafter.draft_override = None
+        runner.drafter.trace = None
     assert out == native
     assert frontiers, "no speculative round ran"
     for got, want in frontiers:

@@ -5,7 +5,7 @@ import torch
 from vllm import SamplingParams
 
 from conftest import MAX_BATCHED_TOKENS
-from engine_access import served_model
+from engine_access import observe_loops, served_model
 from prompts import MEDIUM, SHORT, long_prompt
 
 NEW_TOKENS = 24
@@ -66,11 +66,11 @@ def test_every_loop_logits_match_oracle(native_llm, oracle, tokenizer):
     prompt = MEDIUM[1]
     ids = tokenizer(prompt)["input_ids"]
     assert len(ids) < MAX_BATCHED_TOKENS  # one prefill forward
-    model.model.loop_observers.append(observer)
+    stop_observing = observe_loops(native_llm, observer)
     try:
         native_llm.generate([prompt], greedy(1), use_tqdm=False)
     finally:
-        model.model.loop_observers.remove(observer)
+        stop_observing()
     prefill = [(loop, h) for loop, h in captured if h.shape[0] >= len(ids)]
     assert [loop for loop, _ in prefill] == list(range(model.num_loops))
     expected = oracle.loop_logits(torch.tensor(ids))

@@ -51,6 +51,6 @@ def test_loopspec_equals_native_on_trained_checkpoint(trained_native, trained_lo
     native = [list(o.outputs[0].token_ids) for o in trained_native.generate(PROMPTS, params, use_tqdm=False)]
     spec = [list(o.outputs[0].token_ids) for o in trained_loopspec.generate(PROMPTS, params, use_tqdm=False)]
     assert spec == native
-    stats = model_runner(trained_loopspec).loopspec_stats
+    stats = model_runner(trained_loopspec).drafter.stats
     # A trained model's shallow loops agree with its deep ones often, not always.
     assert 0.3 < stats.accepted_tokens / stats.drafted_tokens < 0.98

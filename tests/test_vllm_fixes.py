@@ -6,7 +6,7 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from vllm_loopspec.spec import patches
+from vllm_loopspec import patches
 
 
 def test_vllm_top_k_only_still_crashes_on_an_empty_batch():

@@ -22,7 +22,7 @@ stays the plain ``R``-loop path of native serving.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +47,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
-
-# Observer called after every loop with (loop index, normed exit state).
-LoopObserver = Callable[[int, torch.Tensor], None]
-
 
 @dataclass(frozen=True)
 class LoopGroup:
@@ -185,8 +181,6 @@ class OuroModel(nn.Module):
         self.early_exit_gate = ReplicatedLinear(
             config.hidden_size, 1, bias=True, prefix=f"{prefix}.early_exit_gate"
         )
-        # Test and profiling hook; empty in serving.
-        self.loop_observers: list[LoopObserver] = []
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -202,9 +196,6 @@ class OuroModel(nn.Module):
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, groups, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
-        for observe in self.loop_observers:
-            for g in groups:
-                observe(g.loop, hidden_states[g.start:g.end])
         return hidden_states
 
     def run_loops(

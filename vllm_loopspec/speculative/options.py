@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 METHOD = "loopspec"
+# Key of loopspec's resolved options in vLLM's ``additional_config``.
+ADDITIONAL_CONFIG_KEY = "loopspec"
 # vLLM's rejection sampler handles at most this many drafts per request.
 MAX_SPECULATIVE_TOKENS = 128
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4

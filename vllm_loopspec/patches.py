@@ -1,22 +1,36 @@
-"""Every change loopspec makes to vLLM code, in one place.
+"""Every change loopspec makes to vLLM code, in one place (the patch ledger).
 
 vLLM 0.32 has no extension point for a new speculative method: its
 ``SpeculativeConfig.method`` is a closed ``Literal`` and the runner dispatches
 on it. loopspec therefore rides on the built-in ``custom_class`` method (which
 gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
-and metrics) and translates the user's ``loopspec`` request into it. :func:`apply`
-wraps four vLLM functions, numbered in the comments and docstrings below:
-1. ``EngineArgs.add_cli_args`` and 2. ``EngineArgs.create_speculative_config``
-(the ``loopspec`` method); 3. ``CpuPlatform.register_triton_kernel_overrides``,
-followed by a correct ``expand_kernel`` (:func:`fix_cpu_expand_kernel`); and
+and metrics) and translates the user's ``loopspec`` request into it. The
+patches, numbered in the comments and docstrings below:
+
+1. ``EngineArgs.add_cli_args``: the bare word ``--speculative-config loopspec``;
+2. ``EngineArgs.create_speculative_config``: ``loopspec`` → ``custom_class``;
+3. ``CpuPlatform.register_triton_kernel_overrides``, followed by a correct
+   ``expand_kernel`` (:func:`fix_cpu_expand_kernel`);
 4. ``dispatcher._rebind_kernels``, kept from crashing once numba is imported
-(:func:`guard_kernel_rebind_scan`). Patches 3 and 4 fix vLLM bugs for every
-engine of the process, whatever its method. The worker classes in ``runner``
-are vLLM's documented ``--worker-cls`` extension point, not patches.
+   (:func:`guard_kernel_rebind_scan`);
+5. ``topk_topp_sampler.apply_top_k_only``, made to accept an empty batch
+   (:func:`fix_top_k_only_on_empty_batch`);
+6. ``vllm.transformers_utils.config._CONFIG_REGISTRY["ouro"]``: vLLM's config
+   registry has no public registration call (:func:`register_ouro_config`);
+7. ``vllm.v1.worker.cpu_worker.CPUModelRunner``, swapped for the duration of
+   ``CPUWorker.init_device``, which builds its runner from that module
+   global (:func:`cpu_worker_builds`; the GPU worker has a method to override).
+
+Patches 1, 2 and 6 are needed in every process (front end and engines);
+3, 4 and 5 fix vLLM bugs on CPU for every engine of the process, whatever its
+method (ngram and suffix crash the same way); 7 is used only by the loopspec
+CPU worker. The worker classes themselves are vLLM's documented
+``--worker-cls`` extension point, not patches.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -24,16 +38,19 @@ from typing import Any
 
 import torch
 
-from vllm_loopspec.spec.options import (
+from vllm_loopspec.speculative.options import (
+    ADDITIONAL_CONFIG_KEY,
     LoopSpecConfigError,
     is_loopspec,
     resolve_options,
 )
 
-PROPOSER_CLASS = "vllm_loopspec.spec.proposer.LoopSpecProposer"
-CPU_WORKER_CLASS = "vllm_loopspec.spec.runner.LoopSpecCPUWorker"
-GPU_WORKER_CLASS = "vllm_loopspec.spec.runner.LoopSpecGPUWorker"
-ADDITIONAL_CONFIG_KEY = "loopspec"
+DRAFTER_CLASS = "vllm_loopspec.speculative.drafter.LoopSpecDrafter"
+# With VLLM_LOOPSPEC_DEBUG=1: the drafter with test and profiling hooks.
+DEBUG_DRAFTER_CLASS = "vllm_loopspec.speculative.debug.DebugLoopSpecDrafter"
+DEBUG_ENV = "VLLM_LOOPSPEC_DEBUG"
+CPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecCPUWorker"
+GPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecGPUWorker"
 
 _applied = False
 
@@ -76,13 +93,20 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         raise LoopSpecConfigError(
             "loopspec runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER."
         )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() and not engine_args.enforce_eager:
+        raise LoopSpecConfigError(
+            "loopspec rounds are not yet proven under CUDA graphs or torch.compile on GPU; "
+            "add --enforce-eager (LLM(..., enforce_eager=True))."
+        )
     worker = _worker_class()
     if target_parallel_config.worker_cls not in ("auto", worker):
         raise LoopSpecConfigError(
             f"loopspec brings its own worker ({worker}); remove --worker-cls "
             f"{target_parallel_config.worker_cls}."
         )
-    from vllm_loopspec.spec.metrics import enable_in_frontend
+    from vllm_loopspec.speculative.metrics import enable_in_frontend
 
     enable_in_frontend()
     target_parallel_config.worker_cls = worker
@@ -90,9 +114,10 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
     additional = dict(engine_args.additional_config or {})
     additional[ADDITIONAL_CONFIG_KEY] = opts.as_dict()
     engine_args.additional_config = additional
+    debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     engine_args.speculative_config = {
         "method": "custom_class",
-        "model": PROPOSER_CLASS,
+        "model": DEBUG_DRAFTER_CLASS if debug else DRAFTER_CLASS,
         "num_speculative_tokens": opts.num_speculative_tokens,
     }
 
@@ -221,6 +246,37 @@ def fix_top_k_only_on_empty_batch() -> None:
     # apply_top_k_top_p_pytorch looks the function up in its module at call
     # time, so replacing the module attribute reaches every caller.
     topk_topp_sampler.apply_top_k_only = apply_top_k_only_or_pass(current)
+
+
+def register_ouro_config(config_class) -> None:
+    """Patch 6 — ``vllm.transformers_utils.config._CONFIG_REGISTRY``.
+
+    vLLM resolves a checkpoint's ``model_type`` through this registry before
+    transformers' ``AutoConfig`` and offers no call to add to it; a class
+    value (not a name) is returned as is by its ``LazyConfigDict``. Without
+    it, a real Ouro ``config.json`` (with its ``auto_map``) would need
+    ``--trust-remote-code``."""
+    from vllm.transformers_utils import config as vllm_config_utils
+
+    vllm_config_utils._CONFIG_REGISTRY["ouro"] = config_class
+
+
+@contextlib.contextmanager
+def cpu_worker_builds(runner_class):
+    """Patch 7 — ``vllm.v1.worker.cpu_worker.CPUModelRunner``, for one call.
+
+    ``CPUWorker.init_device`` builds its model runner by looking up the module
+    global ``CPUModelRunner`` (the GPU worker has ``_make_model_runner`` to
+    override instead); point it at ``runner_class`` while the loopspec CPU
+    worker initialises, and restore it after."""
+    import vllm.v1.worker.cpu_worker as cpu_worker
+
+    original = cpu_worker.CPUModelRunner
+    cpu_worker.CPUModelRunner = runner_class
+    try:
+        yield
+    finally:
+        cpu_worker.CPUModelRunner = original
 
 
 def apply() -> None:

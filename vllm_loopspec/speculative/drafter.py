@@ -1,0 +1,253 @@
+"""The loopspec drafter: the class vLLM's ``custom_class`` method instantiates.
+
+Like vLLM's own proposers (``EagleProposer``, ``NgramProposer``), the
+drafter owns speculation and the runner only calls it:
+
+* :meth:`LoopSpecDrafter.propose` (vLLM calls it after each step's
+  bookkeeping): counts the step's acceptance and answers how many draft
+  slots each request gets next step (``K_i``, shrunk near ``max_tokens`` and
+  the context limit). The slots hold placeholders: loopspec drafts inside the
+  next step's forward, where the shallow loops of ``A`` run anyway.
+* :meth:`LoopSpecDrafter.run_step` (called from the runner's model forward):
+  plans the step's ticks, runs the round, and hands the drafts (and, when
+  sampling, the draft distribution ``q``) to vLLM's rejection sampler.
+
+The served model is the draft model: its loops ``[0, d)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
+from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan
+from vllm_loopspec.speculative.round import RoundOutput, run_round
+from vllm_loopspec.speculative.metrics import LoopSpecStats
+
+PLACEHOLDER_TOKEN = 0  # vLLM schedules these slots; the round writes the real drafts
+
+# Reasons a request decodes one token without drafting in a step.
+SKIP_LOGPROBS = "logprobs"
+SKIP_STRUCTURED = "structured_output"
+SKIP_BUDGET = "token_budget"  # max_tokens or max_model_len leaves no room
+
+
+class LoopSpecDrafter:
+    def __init__(self, vllm_config) -> None:
+        raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if raw is None:
+            raise RuntimeError("loopspec drafter started without loopspec options; "
+                               "use --speculative-config loopspec")
+        self.vllm_config = vllm_config
+        self.options = LoopSpecOptions.from_dict(raw)
+        self.stats = LoopSpecStats()
+        self.runner = None
+        self.model = None
+        self._last_num_drafts: np.ndarray | None = None  # K_i of the step just verified
+
+    # -- vLLM's proposer interface -------------------------------------------
+    def load_model(self, model) -> None:
+        """The draft model is the served model itself: its loops ``[0, d)``."""
+        from vllm_loopspec.models.ouro import kv_layer_name
+
+        self.model = model
+        self.draft_loops = self.options.draft_loops
+        self.num_loops = model.num_loops
+        n = model.config.num_hidden_layers
+        self.shallow_layer_names = [kv_layer_name(u, i, n) for u in range(self.draft_loops) for i in range(n)]
+
+    def bind(self, runner) -> None:
+        """The runner whose batch this drafter speculates for (its input
+        batch, requests and attention groups)."""
+        self.runner = runner
+
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+        """Placeholder drafts for the next step, ``K_i`` per request."""
+        self._count_acceptance(sampled_token_ids)
+        max_len = self.runner.model_config.max_model_len
+        proposals: list[list[int]] = []
+        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+            if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
+                proposals.append([])  # partial prefill chunk: nothing sampled
+                continue
+            proposals.append([PLACEHOLDER_TOKEN] * self.num_drafts(row, req_id, max_len))
+        return proposals
+
+    # -- per-request K ---------------------------------------------------------
+    def num_drafts(self, row: int, req_id: str, max_len: int) -> int:
+        state = self.runner.requests[req_id]
+        params = state.sampling_params
+        if params is None:
+            return 0
+        if params.logprobs is not None and self.options.skip_logprobs_requests:
+            self.stats.skipped[SKIP_LOGPROBS] += 1
+            return 0
+        if getattr(params, "structured_outputs", None) is not None:
+            self.stats.skipped[SKIP_STRUCTURED] += 1
+            return 0
+        num_tokens = int(self.runner.input_batch.num_tokens_no_spec[row])
+        room_output = (params.max_tokens or max_len) - len(state.output_token_ids) - 1
+        if room_output < 0:
+            return 0  # finished this step
+        room_context = max_len - num_tokens - 1
+        k = min(self.options.num_speculative_tokens, room_output, room_context)
+        if k <= 0:
+            self.stats.skipped[SKIP_BUDGET] += 1
+            return 0
+        return k
+
+    def _count_acceptance(self, sampled_token_ids) -> None:
+        """Per-engine acceptance per draft position (vLLM's own counters are
+        per front end and do not count drafts per position)."""
+        num_drafts, self._last_num_drafts = self._last_num_drafts, None
+        if num_drafts is None:
+            return
+        for row, k in enumerate(num_drafts):
+            if k and row < len(sampled_token_ids):
+                self.stats.count_acceptance(int(k), max(len(sampled_token_ids[row]) - 1, 0))
+
+    # -- the round -------------------------------------------------------------
+    def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
+        """The model forward of a step with drafts: returns loop-``R`` exit
+        states of every scheduled token, with the drafts handed to vLLM."""
+        plan = self.plan(spec_metadata, common)
+        chooser = self.make_chooser(plan)
+        output = self.execute(plan, chooser, input_ids, positions)
+        self.hand_off(plan, output, chooser, spec_metadata)
+        self._count_round(plan)
+        return output.hidden_states
+
+    def plan(self, spec_metadata, common) -> RoundPlan:
+        runner = self.runner
+        num_drafts = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64)
+        num_reqs = num_drafts.shape[0]  # not common.num_reqs: that one may be padded
+        query_start = common.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+        computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        layout = StepLayout(query_start=query_start, num_drafts=num_drafts,
+                            seq_lens=computed + np.diff(query_start))
+        return build_plan(layout, common, runner.attn_groups[0][0], runner.device)
+
+    def make_chooser(self, plan: RoundPlan) -> "DraftChooser":
+        runner = self.runner
+        spec_rows = plan.layout.spec_rows
+        sampled = runner.input_batch.temperature_cpu[spec_rows] > 0
+        return DraftChooser(runner.input_batch.sampling_metadata, spec_rows, sampled, plan.drafts_valid)
+
+    def execute(self, plan: RoundPlan, chooser, input_ids, positions) -> RoundOutput:
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        model = _ServedModel(self.model, self.shallow_layer_names, context, self.draft_loops, self.num_loops,
+                             self.stats)
+        try:
+            return run_round(plan, model, chooser, input_ids, positions)
+        finally:
+            model.restore()
+
+    def hand_off(self, plan: RoundPlan, output: RoundOutput, chooser: "DraftChooser", spec_metadata) -> None:
+        """Put the drafts where vLLM's rejection sampler reads them: the flat
+        ``draft_token_ids`` of the step's ``SpecDecodeMetadata``, the
+        sampling metadata's ``spec_token_ids`` (penalties and bad words read
+        them; only then are they copied to the host), and the draft
+        distribution ``q`` the runner gives the sampler when sampling."""
+        runner = self.runner
+        flat = output.drafts.reshape(-1)[plan.draft_gather]
+        spec_metadata.draft_token_ids.copy_(flat.to(spec_metadata.draft_token_ids.dtype))
+        meta = runner.input_batch.sampling_metadata
+        if meta.spec_token_ids is not None and (meta.bad_words_token_ids or not meta.no_penalties):
+            per_row = output.drafts.T.tolist()
+            for s, row in enumerate(plan.layout.spec_rows):
+                meta.spec_token_ids[row][:] = per_row[s][: int(plan.layout.num_drafts[row])]
+        if chooser.q is not None:
+            runner._draft_probs = chooser.q
+            runner._draft_prob_req_ids = [runner.input_batch.req_ids[r] for r in plan.layout.spec_rows]
+
+    def _count_round(self, plan: RoundPlan) -> None:
+        num_drafts = plan.layout.num_drafts
+        self._last_num_drafts = num_drafts
+        self.stats.rounds += 1
+        self.stats.speculating_rows += int((num_drafts > 0).sum())
+        self.stats.drafted_tokens += int(num_drafts.sum())
+
+
+class _ServedModel:
+    """The round's view of the served model inside the step's forward
+    context: shallow ticks swap the shallow layers' attention to the tick's
+    (restored afterwards); deep ticks use the runner's own metadata."""
+
+    def __init__(self, model, shallow_layer_names, context, draft_loops, num_loops, stats) -> None:
+        self.model = model
+        self.names = shallow_layer_names
+        self.context = context
+        self.d = draft_loops
+        self.loops = num_loops
+        self.stats = stats
+        self.saved = ({n: context.attn_metadata[n] for n in self.names},
+                      {n: context.slot_mapping[n] for n in self.names})
+
+    def restore(self) -> None:
+        self.context.attn_metadata.update(self.saved[0])
+        self.context.slot_mapping.update(self.saved[1])
+
+    def embed(self, token_ids):
+        return self.model.embed_input_ids(token_ids)
+
+    def shallow(self, hidden, positions, tick: TickAttention):
+        tick.activate(self.names, self.context)
+        self.stats.count_loop_rows(range(0, self.d), hidden.shape[0])
+        return self.model.model.run_loops(hidden, positions, 0, self.d)
+
+    def deep(self, shallow_states, positions):
+        self.stats.count_loop_rows(range(self.d, self.loops), shallow_states.shape[0])
+        return self.model.model.run_loops(shallow_states, positions, self.d, self.loops)
+
+    def logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+class DraftChooser:
+    """Picks each draft token from the shallow logits of every speculating
+    row: greedy rows take the argmax; sampled rows sample the processed
+    shallow distribution ``q`` (temperature, top-k, top-p: the processing
+    vLLM's rejection sampler applies to the target), written into one
+    ``[B_s, K_max, vocab]`` buffer for the sampler. Seeded requests draw
+    from their own generator, and only for drafts they really make, so a
+    seeded request replays whatever its batch neighbours do."""
+
+    def __init__(self, meta, spec_rows: np.ndarray, sampled: np.ndarray, drafts_valid: np.ndarray) -> None:
+        self.q: torch.Tensor | None = None
+        self.any_sampled = bool(sampled.any())
+        if not self.any_sampled:
+            return
+        device = meta.temperature.device
+        rows = torch.from_numpy(spec_rows).to(device)
+        self.sampled = torch.from_numpy(sampled).to(device)
+        self.temperature = torch.where(self.sampled, meta.temperature[rows].float(), 1.0)
+        self.top_k = meta.top_k[rows] if meta.top_k is not None else None
+        self.top_p = meta.top_p[rows] if meta.top_p is not None else None
+        self.seeded = [(s, meta.generators[int(r)]) for s, r in enumerate(spec_rows)
+                       if sampled[s] and int(r) in meta.generators]
+        self.drafts_valid = drafts_valid
+        self.k_max = drafts_valid.shape[0]
+
+    def __call__(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if not self.any_sampled:
+            return greedy
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        logits = logits.float() / self.temperature.unsqueeze(-1)
+        q = apply_top_k_top_p(logits, self.top_k, self.top_p).softmax(dim=-1, dtype=torch.float32)
+        noise = torch.empty_like(q).exponential_()
+        for s, generator in self.seeded:
+            if self.drafts_valid[step, s]:
+                noise[s].exponential_(generator=generator)
+        tokens = torch.where(self.sampled, (q / noise).argmax(dim=-1), greedy)
+        if self.q is None:
+            self.q = q.new_zeros((q.shape[0], self.k_max, q.shape[1]))
+        # Greedy rows of a mixed batch: a one-hot q at their draft (the
+        # sampler's greedy path ignores it; it only has to be well formed).
+        one_hot = torch.zeros_like(q).scatter_(1, greedy.unsqueeze(1), 1.0)
+        self.q[:, step] = torch.where(self.sampled.unsqueeze(1), q, one_hot)
+        return tokens

@@ -1,0 +1,217 @@
+"""loopspec's own counters, and their export to vLLM's ``/metrics``.
+
+One schema (:data:`COUNTERS`) names every counter once: the worker-side
+:class:`LoopSpecStats`, the snapshot files and the Prometheus collector all
+follow it.
+
+The counters live in the worker process (where rounds run) while
+``/metrics`` is served by the API server process. When vLLM builds its
+config in the front end, loopspec creates a directory, exports it as
+``LOOPSPEC_METRICS_DIR`` (inherited by the engine and worker processes vLLM
+spawns afterwards) and registers a Prometheus collector that sums the
+snapshots workers write there. A worker thread writes every
+``FLUSH_SECONDS``, so ``/metrics`` lags by that; it stops with its engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_DIR = "LOOPSPEC_METRICS_DIR"
+FLUSH_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class CounterSpec:
+    name: str  # field of LoopSpecStats; Prometheus name loopspec:<metric or name>
+    doc: str
+    kind: str = "scalar"  # "scalar" | "vector" (list indexed from 1) | "labelled" (dict)
+    label: str | None = None
+    metric: str | None = None
+
+    @property
+    def prometheus_name(self) -> str:
+        return f"loopspec:{self.metric or self.name}"
+
+
+COUNTERS = (
+    CounterSpec("rounds", "Engine steps that ran a loopspec round."),
+    CounterSpec("speculating_rows", "Request-rounds that drafted at least one token."),
+    CounterSpec("drafted_tokens", "Tokens drafted by the shallow loops."),
+    CounterSpec("accepted_tokens", "Drafted tokens the deep loops accepted."),
+    CounterSpec("rows_per_loop", "Rows each loop processed in loopspec steps.", "vector", "loop"),
+    CounterSpec("drafted_per_pos", "Rounds that drafted each position.", "vector", "position"),
+    CounterSpec("accepted_per_pos", "Rounds whose draft at each position was accepted.", "vector", "position"),
+    CounterSpec("skipped", "Request-steps that decoded one token without drafting, by reason.", "labelled",
+                "reason", metric="skipped_rows"),
+)
+
+
+@dataclass
+class LoopSpecStats:
+    """Per-engine counters (worker side)."""
+
+    rounds: int = 0
+    speculating_rows: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    rows_per_loop: list[int] = field(default_factory=list)  # index = loop
+    drafted_per_pos: list[int] = field(default_factory=list)  # index = draft position j-1
+    accepted_per_pos: list[int] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # reason -> request-steps
+
+    def count_loop_rows(self, loops: range, rows: int) -> None:
+        _grow(self.rows_per_loop, loops.stop)
+        for loop in loops:
+            self.rows_per_loop[loop] += rows
+
+    def count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
+        for per_pos, n in ((self.drafted_per_pos, num_drafts), (self.accepted_per_pos, num_accepted)):
+            _grow(per_pos, num_drafts)
+            for j in range(n):
+                per_pos[j] += 1
+        self.accepted_tokens += num_accepted
+
+    def as_dict(self) -> dict:
+        out = {}
+        for spec in COUNTERS:
+            value = getattr(self, spec.name)
+            out[spec.name] = dict(value) if spec.kind == "labelled" else (
+                list(value) if spec.kind == "vector" else value)
+        return out
+
+
+def _grow(values: list[int], length: int) -> None:
+    values.extend([0] * max(0, length - len(values)))
+
+
+def add_snapshots(total: dict, snap: dict) -> dict:
+    """``total += snap``, counter by counter."""
+    for spec in COUNTERS:
+        value = snap.get(spec.name)
+        if value is None:
+            continue
+        if spec.kind == "scalar":
+            total[spec.name] = total.get(spec.name, 0) + value
+        elif spec.kind == "vector":
+            acc = total.setdefault(spec.name, [])
+            _grow(acc, len(value))
+            for i, n in enumerate(value):
+                acc[i] += n
+        else:
+            acc = total.setdefault(spec.name, {})
+            for key, n in value.items():
+                acc[key] = acc.get(key, 0) + n
+    return total
+
+
+def empty_snapshot() -> dict:
+    return LoopSpecStats().as_dict()
+
+
+# -- front end ----------------------------------------------------------------
+
+_collector_registered = False
+
+
+def enable_in_frontend() -> None:
+    """Create the snapshot directory and register the collector (idempotent)."""
+    global _collector_registered
+    if _collector_registered:
+        return
+    # Always a fresh directory: a value inherited from a parent process (a
+    # script that itself ran engines) belongs to that process's front end.
+    path = tempfile.mkdtemp(prefix="loopspec-metrics-")
+    os.environ[ENV_DIR] = path
+    atexit.register(shutil.rmtree, path, True)
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(LoopSpecCollector(Path(os.environ[ENV_DIR])))
+    _collector_registered = True
+
+
+def read_snapshots(directory: Path) -> dict:
+    total = empty_snapshot()
+    for file in sorted(directory.glob("worker-*.json")):
+        try:
+            snap = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        add_snapshots(total, snap)
+    return total
+
+
+class LoopSpecCollector:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        snap = read_snapshots(self.directory)
+        for spec in COUNTERS:
+            value = snap[spec.name]
+            if spec.kind == "scalar":
+                yield CounterMetricFamily(spec.prometheus_name, spec.doc, value=value)
+                continue
+            family = CounterMetricFamily(spec.prometheus_name, spec.doc, labels=[spec.label])
+            items = enumerate(value, start=1) if spec.kind == "vector" else sorted(value.items())
+            for key, n in items:
+                family.add_metric([str(key)], n)
+            yield family
+
+
+# -- worker -------------------------------------------------------------------
+
+class SnapshotWriter:
+    """Worker side: a daemon thread writes the latest stats as JSON every
+    ``FLUSH_SECONDS`` when they changed, off the decoding path, until
+    :meth:`stop` (the runner's shutdown)."""
+
+    def __init__(self, snapshot) -> None:
+        path = os.environ.get(ENV_DIR)
+        # One file per runner (several in-process engines share a pid).
+        self.file = Path(path) / f"worker-{os.getpid()}-{id(self):x}.json" if path else None
+        self.snapshot = snapshot  # callable returning a JSON-able dict
+        self.written = None
+        self._stopped = threading.Event()
+        self.thread = None
+        if self.file is not None:
+            self.thread = threading.Thread(target=self._run, name="loopspec-metrics", daemon=True)
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stopped.wait(FLUSH_SECONDS):
+            self.flush()
+
+    def stop(self) -> None:
+        """Write the last figures and end the thread."""
+        self._stopped.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.file is None:
+            return
+        try:
+            snap = self.snapshot()
+        except RuntimeError:  # stats changed while being copied; next tick
+            return
+        if snap == self.written:
+            return
+        tmp = self.file.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(snap))
+            os.replace(tmp, self.file)
+        except OSError:  # directory removed at shutdown
+            return
+        self.written = snap

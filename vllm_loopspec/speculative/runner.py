@@ -1,0 +1,97 @@
+"""vLLM glue: the hooks of vLLM's V1 model runner that loopspec needs.
+
+vLLM schedules, for each speculating request, ``[A, p_1..p_K]`` where the
+``p_j`` are placeholders the drafter proposed after the previous step. The
+runner keeps only what vLLM offers no other way into:
+
+* ``_prepare_inputs`` and ``_build_attention_metadata``: remember the step's
+  ``SpecDecodeMetadata`` and ``CommonAttentionMetadata``;
+* ``_model_forward``: a step with drafts runs the drafter's round
+  (:meth:`LoopSpecDrafter.run_step`) instead of the plain forward;
+* ``_input_fits_in_drafter``: per-request limits are the drafter's business.
+
+Everything else is vLLM's: the drafter is the ``custom_class`` proposer vLLM
+builds and calls (``propose``), then logits at the spec positions, the
+rejection sampler, rollback of rejected tokens, stop handling and
+``spec_decode`` metrics.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_loopspec.speculative.metrics import SnapshotWriter
+
+
+class LoopSpecRunnerMixin:
+    """Mixed in before vLLM's V1 model runner (CPU or GPU)."""
+
+    def _loopspec_setup(self) -> None:
+        self.drafter.bind(self)
+        self._loopspec_metrics = SnapshotWriter(self.drafter.stats.as_dict)
+        self._loopspec_spec_metadata = None
+        self._loopspec_common = None
+
+    def _prepare_inputs(self, *args, **kwargs):
+        out = super()._prepare_inputs(*args, **kwargs)
+        self._loopspec_spec_metadata = out[1]
+        return out
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, common = super()._build_attention_metadata(*args, **kwargs)
+        if not kwargs.get("for_cudagraph_capture"):
+            self._loopspec_common = common
+        return attn_metadata, common
+
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        return common_attn_metadata is not None
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        spec_metadata = self._loopspec_spec_metadata
+        if spec_metadata is None or input_ids is None or sum(spec_metadata.num_draft_tokens) == 0:
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+        return self.drafter.run_step(input_ids, positions, spec_metadata, self._loopspec_common)
+
+    def shutdown(self) -> None:
+        self._loopspec_metrics.stop()
+        super().shutdown()
+
+
+class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        self._loopspec_setup()
+
+
+class LoopSpecCPUWorker(CPUWorker):
+    """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
+
+    def init_device(self) -> None:
+        from vllm_loopspec.patches import cpu_worker_builds
+
+        with cpu_worker_builds(LoopSpecCPUModelRunner):
+            super().init_device()
+
+
+def _gpu_classes():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    class LoopSpecGPUModelRunner(LoopSpecRunnerMixin, GPUModelRunner):
+        def __init__(self, vllm_config, device) -> None:
+            super().__init__(vllm_config, device)
+            self._loopspec_setup()
+
+    class LoopSpecGPUWorker(Worker):
+        """GPU worker whose model runner runs loopspec rounds."""
+
+        def _make_model_runner(self):
+            return LoopSpecGPUModelRunner(self.vllm_config, self.device)
+
+    return LoopSpecGPUModelRunner, LoopSpecGPUWorker
+
+
+LoopSpecGPUModelRunner, LoopSpecGPUWorker = _gpu_classes()
