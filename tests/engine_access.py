@@ -10,7 +10,7 @@ import torch
 from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
 __all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason",
-           "skip_unless_kv_readable", "read_kv", "free_blocks", "spec_metrics", "observe_loops"]
+           "skip_unless_kv_readable", "read_kv", "kv_by_slot", "free_blocks", "spec_metrics", "observe_loops"]
 
 # KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
 # chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
@@ -63,6 +63,22 @@ def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor
     keys = flat[block, :, : block_size * hd].view(heads, hd, block_size)[:, :, offset]
     values = flat[block, :, block_size * hd :].view(heads, block_size, hd)[:, offset]
     return keys.clone(), values.clone()
+
+
+def kv_by_slot(llm, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of one cache layer's (keys, values), each [num_slots, kv_heads,
+    head_dim], indexed by slot (the "vec" layout, see :func:`read_kv`)."""
+    layout = _kv_layout(llm, layer_name)
+    assert layout in KNOWN_KV_LAYOUTS, f"cannot decode KV layout {layout!r}; call skip_unless_kv_readable first"
+    attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
+    cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
+    blocks, heads, block_size, two_hd = cache.shape
+    hd = two_hd // 2
+    flat = cache.view(blocks, heads, 2 * block_size * hd)
+    keys = flat[:, :, : block_size * hd].view(blocks, heads, hd, block_size).permute(0, 3, 1, 2)
+    values = flat[:, :, block_size * hd:].view(blocks, heads, block_size, hd).permute(0, 2, 1, 3)
+    return (keys.reshape(blocks * block_size, heads, hd).clone(),
+            values.reshape(blocks * block_size, heads, hd).clone())
 
 
 def free_blocks(llm) -> int:
