@@ -45,6 +45,16 @@ bench-all: $(STAMP)
 	$(PY) benchmarks/serve_bench.py
 	$(PY) benchmarks/report.py
 
+# On a CUDA host: the tests marked gpu and a short decode benchmark (< 8 min),
+# output in benchmarks/results/gpu_check.{txt,json}. Uses its own .venv-gpu.
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# Host work per draft tick of a round (add --tree before=PATH to compare an
+# older checkout in the same run).
+round-profile: $(STAMP)
+	$(PY) benchmarks/round_profile.py --tree current=.
+
 bench-report: $(STAMP)
 	$(PY) benchmarks/report.py
 

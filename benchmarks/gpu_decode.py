@@ -1,0 +1,117 @@
+"""Short decode benchmark for ``make gpu-check`` (about 2 minutes on a GPU).
+
+    python benchmarks/gpu_decode.py [--out benchmarks/results/gpu_check.json] [--skip-large]
+
+Arms, each an in-process engine decoding ``--new-tokens`` greedy tokens for
+batches of 1 and 8 prompts (prefill excluded from the timed window, one
+warm-up, ``--repeats`` timed trials, median reported):
+
+* the bundled checkpoint in fp32: native (eager), native (CUDA graphs where
+  the platform has them), loopspec K=4 d=2 (eager);
+* Ouro-1.4B's shape in bf16 with ``load_format=dummy`` (random weights:
+  acceptance is meaningless, the figures measure the cost of a round at the
+  real shape): native (eager) and loopspec K=4 (eager).
+
+Runs on CPU too (slowly; use ``--skip-large``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def decode(llm, prompts, new_tokens: int) -> float:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    tag = f"{time.monotonic_ns()}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, params)
+    engine.step()  # prefill
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.json")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM
+
+    prompts = [json.loads(line)["prompt"] for line in
+               (ROOT / "benchmarks" / "prompts" / "code.jsonl").read_text().splitlines() if line.strip()]
+    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2}
+    common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16)
+    small = str(ROOT / "checkpoints" / "ouro-stdlib")
+    arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),
+            ("ouro-stdlib fp32", "native graphs", small, dict(dtype="float32", enforce_eager=False)),
+            ("ouro-stdlib fp32", "loopspec K4", small, dict(dtype="float32", enforce_eager=True,
+                                                             speculative_config=spec))]
+    if not args.skip_large:
+        large = Path(tempfile.mkdtemp(prefix="ouro-1.4b-"))
+        shutil.copy(ROOT / "configs" / "ouro-1.4b.config.json", large / "config.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(ROOT / "checkpoints" / "ouro-stdlib" / name, large / name)
+        big = dict(dtype="bfloat16", load_format="dummy", enforce_eager=True)
+        arms += [("ouro-1.4b shape bf16 (dummy)", "native eager", str(large), big),
+                 ("ouro-1.4b shape bf16 (dummy)", "loopspec K4", str(large), big | {"speculative_config": spec})]
+    if args.arm is not None:  # one arm, in its own process (engines hold device memory until exit)
+        model, arm, path, kwargs = arms[args.arm]
+        llm = LLM(path, **common, **kwargs)
+        for batch in (1, 8):
+            decode(llm, prompts[:batch], 8)  # warm-up
+            tps = [decode(llm, prompts[:batch], args.new_tokens) for _ in range(args.repeats)]
+            print("RESULT " + json.dumps({"model": model, "arm": arm, "batch": batch,
+                                          "tokens_per_s": statistics.median(tps), "trials": tps}), flush=True)
+        return
+    results = []
+    for i, (model, arm, _, _) in enumerate(arms):
+        cmd = [sys.executable, __file__, "--arm", str(i), "--new-tokens", str(args.new_tokens),
+               "--repeats", str(args.repeats)] + (["--skip-large"] if args.skip_large else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not rows:
+            rows = [{"model": model, "arm": arm, "batch": None, "tokens_per_s": None,
+                     "error": proc.stderr[-2000:]}]
+        for r in rows:
+            print(f"{r['model']} | {r['arm']} | batch {r['batch']} | {r['tokens_per_s']} tok/s", flush=True)
+        results += rows
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    record = {"benchmark": "gpu_decode", "device": device, "vllm": vllm.__version__, "torch": torch.__version__,
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "results": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print("\n| model | arm | batch | tok/s (median) |\n|---|---|---|---|")
+    for r in results:
+        tps = "failed" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
+        print(f"| {r['model']} | {r['arm']} | {r['batch']} | {tps} |")
+
+
+if __name__ == "__main__":
+    main()
