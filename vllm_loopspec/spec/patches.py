@@ -5,13 +5,16 @@ vLLM 0.32 has no extension point for a new speculative method: its
 on it. loopspec therefore rides on the built-in ``custom_class`` method (which
 gives it vLLM's scheduling of speculative tokens, rejection sampler, rollback
 and metrics) and translates the user's ``loopspec`` request into it. :func:`apply`
-wraps four vLLM functions, numbered in the comments and docstrings below:
+wraps six vLLM functions, numbered in the comments and docstrings below:
 1. ``EngineArgs.add_cli_args`` and 2. ``EngineArgs.create_speculative_config``
 (the ``loopspec`` method); 3. ``CpuPlatform.register_triton_kernel_overrides``,
-followed by a correct ``expand_kernel`` (:func:`fix_cpu_expand_kernel`); and
+followed by a correct ``expand_kernel`` (:func:`fix_cpu_expand_kernel`);
 4. ``dispatcher._rebind_kernels``, kept from crashing once numba is imported
-(:func:`guard_kernel_rebind_scan`). Patches 3 and 4 fix vLLM bugs for every
-engine of the process, whatever its method. The worker classes in ``runner``
+(:func:`guard_kernel_rebind_scan`); 5. ``apply_top_k_only`` on an empty batch
+(:func:`fix_top_k_only_on_empty_batch`); and 6. ``CPUModelRunner.sample_tokens``,
+so that ``GPUModelRunner._bookkeeping_sync`` never rewinds a CPU generator
+(:func:`keep_seeded_streams_on_discard`). Patches 3 to 6 fix vLLM bugs for
+every engine of the process, whatever its method. The worker classes in ``runner``
 are vLLM's documented ``--worker-cls`` extension point, not patches.
 """
 
@@ -22,6 +25,7 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_loopspec.spec.options import (
@@ -131,7 +135,9 @@ def fix_cpu_expand_kernel() -> None:
 def _fix_expand_after_platform_overrides() -> None:
     """Patch 3's hook: wrap ``CpuPlatform.register_triton_kernel_overrides``
     so that the fix follows every (re-)registration of vLLM's CPU kernels;
-    each new engine's worker registers them again."""
+    each new engine's worker registers them again. Patch 6 rides on the same
+    hook: it runs in every CPU worker, before its model runner exists, and
+    keeps vLLM's model runner modules out of the front end."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -144,6 +150,7 @@ def _fix_expand_after_platform_overrides() -> None:
     def register_triton_kernel_overrides(cls) -> None:
         original.__func__(cls)
         fix_cpu_expand_kernel()
+        keep_seeded_streams_on_discard()
 
     register_triton_kernel_overrides._loopspec_wrapped = True
     platform_class.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
@@ -221,6 +228,55 @@ def fix_top_k_only_on_empty_batch() -> None:
     # apply_top_k_top_p_pytorch looks the function up in its module at call
     # time, so replacing the module attribute reaches every caller.
     topk_topp_sampler.apply_top_k_only = apply_top_k_only_or_pass(current)
+
+
+def sample_tokens_keeping_seeded_streams(original):
+    """``original`` (vLLM's ``GPUModelRunner.sample_tokens``), with the
+    generators of the requests whose sampled token this step discards set
+    aside while it runs."""
+
+    def sample_tokens(self, grammar_output):
+        if self.execute_model_state is None:  # nothing was run: nothing sampled
+            return original(self, grammar_output)
+        generators = self.input_batch.generators  # the dict the sampler reads
+        discarded = np.flatnonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])
+        aside = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
+        try:
+            return original(self, grammar_output)
+        finally:
+            generators.update(aside)
+
+    sample_tokens._loopspec_original = original
+    return sample_tokens
+
+
+def keep_seeded_streams_on_discard() -> None:
+    """Patch 6 — ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync``
+    (wrapped through ``CPUModelRunner.sample_tokens``, its only caller).
+
+    Root cause (vLLM 0.32, report upstream): a step that prefills only part
+    of a prompt (chunked prefill: the prompt's uncached tokens exceed the
+    step's ``max_num_batched_tokens`` budget) still samples a token for that
+    request and discards it. For a request with a ``seed`` (its own
+    ``torch.Generator``), ``_bookkeeping_sync`` then rewinds the generator
+    with ``gen.set_offset(gen.get_offset() - 4)`` so that the discarded draw
+    does not shift the request's random stream. That is the CUDA (Philox)
+    generator's API; a CPU generator raises ``RuntimeError: CPU Generator
+    does not use offset``, the exception escapes the worker and the engine
+    core dies: one seeded sampled request with a long prompt, or arriving
+    with others, takes down every CPU server, native or speculative (found by
+    ``benchmarks/soak.py``). The fix: during such a step the request's
+    generator is set aside, so the discarded draw comes from the global
+    generator, the request's own stream is left exactly as it was (what the
+    rewind intends; seeded outputs are the same with and without chunking),
+    and the rewind loop finds no generator to rewind. CPU runners only: CUDA
+    generators support offsets."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    current = CPUModelRunner.sample_tokens
+    if getattr(current, "_loopspec_original", None) is not None:
+        return
+    CPUModelRunner.sample_tokens = sample_tokens_keeping_seeded_streams(current)
 
 
 def apply() -> None:
