@@ -15,16 +15,19 @@ patches, numbered in the comments and docstrings below:
    (:func:`guard_kernel_rebind_scan`);
 5. ``topk_topp_sampler.apply_top_k_only``, made to accept an empty batch
    (:func:`fix_top_k_only_on_empty_batch`);
-6. ``vllm.transformers_utils.config._CONFIG_REGISTRY["ouro"]``: vLLM's config
+6. ``CPUModelRunner.sample_tokens``, so that
+   ``GPUModelRunner._bookkeeping_sync`` never rewinds a CPU generator
+   (:func:`keep_seeded_streams_on_discard`);
+7. ``vllm.transformers_utils.config._CONFIG_REGISTRY["ouro"]``: vLLM's config
    registry has no public registration call (:func:`register_ouro_config`);
-7. ``vllm.v1.worker.cpu_worker.CPUModelRunner``, swapped for the duration of
+8. ``vllm.v1.worker.cpu_worker.CPUModelRunner``, swapped for the duration of
    ``CPUWorker.init_device``, which builds its runner from that module
    global (:func:`cpu_worker_builds`; the GPU worker has a method to override).
 
-Patches 1, 2 and 6 are needed in every process (front end and engines);
-3, 4 and 5 fix vLLM bugs on CPU for every engine of the process, whatever its
-method (ngram and suffix crash the same way); 7 is used only by the loopspec
-CPU worker. The worker classes themselves are vLLM's documented
+Patches 1, 2 and 7 are needed in every process (front end and engines);
+3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
+method (ngram, suffix and native decoding hit them too); 8 is used only by
+the loopspec CPU worker. The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -36,6 +39,7 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_loopspec.speculative.options import (
@@ -156,7 +160,9 @@ def fix_cpu_expand_kernel() -> None:
 def _fix_expand_after_platform_overrides() -> None:
     """Patch 3's hook: wrap ``CpuPlatform.register_triton_kernel_overrides``
     so that the fix follows every (re-)registration of vLLM's CPU kernels;
-    each new engine's worker registers them again."""
+    each new engine's worker registers them again. Patch 6 rides on the same
+    hook: it runs in every CPU worker, before its model runner exists, and
+    keeps vLLM's model runner modules out of the front end."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -169,6 +175,7 @@ def _fix_expand_after_platform_overrides() -> None:
     def register_triton_kernel_overrides(cls) -> None:
         original.__func__(cls)
         fix_cpu_expand_kernel()
+        keep_seeded_streams_on_discard()
 
     register_triton_kernel_overrides._loopspec_wrapped = True
     platform_class.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
@@ -248,8 +255,57 @@ def fix_top_k_only_on_empty_batch() -> None:
     topk_topp_sampler.apply_top_k_only = apply_top_k_only_or_pass(current)
 
 
+def sample_tokens_keeping_seeded_streams(original):
+    """``original`` (vLLM's ``GPUModelRunner.sample_tokens``), with the
+    generators of the requests whose sampled token this step discards set
+    aside while it runs."""
+
+    def sample_tokens(self, grammar_output):
+        if self.execute_model_state is None:  # nothing was run: nothing sampled
+            return original(self, grammar_output)
+        generators = self.input_batch.generators  # the dict the sampler reads
+        discarded = np.flatnonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])
+        aside = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
+        try:
+            return original(self, grammar_output)
+        finally:
+            generators.update(aside)
+
+    sample_tokens._loopspec_original = original
+    return sample_tokens
+
+
+def keep_seeded_streams_on_discard() -> None:
+    """Patch 6 — ``vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync``
+    (wrapped through ``CPUModelRunner.sample_tokens``, its only caller).
+
+    Root cause (vLLM 0.32, report upstream): a step that prefills only part
+    of a prompt (chunked prefill: the prompt's uncached tokens exceed the
+    step's ``max_num_batched_tokens`` budget) still samples a token for that
+    request and discards it. For a request with a ``seed`` (its own
+    ``torch.Generator``), ``_bookkeeping_sync`` then rewinds the generator
+    with ``gen.set_offset(gen.get_offset() - 4)`` so that the discarded draw
+    does not shift the request's random stream. That is the CUDA (Philox)
+    generator's API; a CPU generator raises ``RuntimeError: CPU Generator
+    does not use offset``, the exception escapes the worker and the engine
+    core dies: one seeded sampled request with a long prompt, or arriving
+    with others, takes down every CPU server, native or speculative (found by
+    ``benchmarks/soak.py``). The fix: during such a step the request's
+    generator is set aside, so the discarded draw comes from the global
+    generator, the request's own stream is left exactly as it was (what the
+    rewind intends; seeded outputs are the same with and without chunking),
+    and the rewind loop finds no generator to rewind. CPU runners only: CUDA
+    generators support offsets."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    current = CPUModelRunner.sample_tokens
+    if getattr(current, "_loopspec_original", None) is not None:
+        return
+    CPUModelRunner.sample_tokens = sample_tokens_keeping_seeded_streams(current)
+
+
 def register_ouro_config(config_class) -> None:
-    """Patch 6 — ``vllm.transformers_utils.config._CONFIG_REGISTRY``.
+    """Patch 7 — ``vllm.transformers_utils.config._CONFIG_REGISTRY``.
 
     vLLM resolves a checkpoint's ``model_type`` through this registry before
     transformers' ``AutoConfig`` and offers no call to add to it; a class
@@ -263,7 +319,7 @@ def register_ouro_config(config_class) -> None:
 
 @contextlib.contextmanager
 def cpu_worker_builds(runner_class):
-    """Patch 7 — ``vllm.v1.worker.cpu_worker.CPUModelRunner``, for one call.
+    """Patch 8 — ``vllm.v1.worker.cpu_worker.CPUModelRunner``, for one call.
 
     ``CPUWorker.init_device`` builds its model runner by looking up the module
     global ``CPUModelRunner`` (the GPU worker has ``_make_model_runner`` to
