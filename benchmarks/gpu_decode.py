@@ -6,8 +6,9 @@ Arms, each an in-process engine decoding ``--new-tokens`` greedy tokens for
 batches of 1 and 8 prompts (prefill excluded from the timed window, one
 warm-up, ``--repeats`` timed trials, median reported):
 
-* the bundled checkpoint in fp32: native (eager), native (CUDA graphs where
-  the platform has them), loopspec K=4 d=2 (eager);
+* the bundled checkpoint in fp32: native (eager), native in vLLM's default
+  mode (compiled; plus CUDA graphs on GPU), loopspec K=4 d=2 (its rounds run
+  eagerly: the engine is forced eager until compiled rounds are proven);
 * Ouro-1.4B's shape in bf16 with ``load_format=dummy`` (random weights:
   acceptance is meaningless, the figures measure the cost of a round at the
   real shape): native (eager) and loopspec K=4 (eager).
@@ -69,7 +70,7 @@ def main() -> None:
     common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16)
     small = str(ROOT / "checkpoints" / "ouro-stdlib")
     arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),
-            ("ouro-stdlib fp32", "native graphs", small, dict(dtype="float32", enforce_eager=False)),
+            ("ouro-stdlib fp32", "native default mode", small, dict(dtype="float32", enforce_eager=False)),
             ("ouro-stdlib fp32", "loopspec K4", small, dict(dtype="float32", enforce_eager=True,
                                                              speculative_config=spec))]
     if not args.skip_large:

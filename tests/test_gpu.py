@@ -1,9 +1,8 @@
 """GPU checks (``make gpu-check``); every test here skips without CUDA.
 
 On a CUDA host: greedy loopspec equals native decoding in fp32 for K in
-{1, 4}, with native CUDA graphs on and off; loopspec without
-``--enforce-eager`` is refused with its message (its rounds are not yet
-proven under CUDA graphs); a greedy round makes no host synchronisation
+{1, 4}, with native CUDA graphs on and off; a loopspec engine asked for
+CUDA graphs runs eagerly (its rounds are not yet proven under graphs); a greedy round makes no host synchronisation
 (``torch.cuda.set_sync_debug_mode("error")`` while the round runs).
 """
 
@@ -44,9 +43,10 @@ def test_greedy_loopspec_equals_native_on_gpu(tiny_checkpoint, native_eager_toke
     assert _tokens(llm) == native_eager_tokens
 
 
-def test_loopspec_under_cuda_graphs_is_refused(tiny_checkpoint):
-    with pytest.raises(Exception, match="add --enforce-eager"):
-        make_llm(tiny_checkpoint, {"method": "loopspec"}, enforce_eager=False)
+def test_loopspec_runs_eagerly_when_graphs_are_asked_for(tiny_checkpoint, native_eager_tokens):
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec"}, enforce_eager=False)
+    assert llm.llm_engine.vllm_config.model_config.enforce_eager
+    assert _tokens(llm) == native_eager_tokens
 
 
 def test_greedy_round_makes_no_host_sync(tiny_checkpoint, native_eager_tokens, monkeypatch):

@@ -83,3 +83,19 @@ def test_every_loop_logits_match_oracle(native_llm, oracle, tokenizer):
     # The loops really differ: a reuse bug that returned the same state for
     # every loop would not pass this.
     assert not torch.allclose(expected[0][0], expected[-1][0], atol=1e-2)
+
+
+@pytest.mark.slow
+def test_compiled_native_engine_matches_oracle(tiny_checkpoint, oracle, tokenizer):
+    """vLLM's default mode on CPU compiles the model's forward
+    (``support_torch_compile`` on ``OuroModel``): same greedy tokens,
+    including a chunk-prefilled prompt."""
+    from conftest import make_llm
+
+    llm = make_llm(tiny_checkpoint, enforce_eager=False)
+    assert llm.llm_engine.vllm_config.compilation_config.mode != 0
+    prompts = SHORT[:4] + [long_prompt(2 * MAX_BATCHED_TOKENS + 5, tokenizer)]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = tokenizer(prompt)["input_ids"]
+        assert list(out.outputs[0].token_ids) == oracle_tokens(oracle, ids), prompt

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
 from vllm_loopspec.speculative.options import (
     ADDITIONAL_CONFIG_KEY,
@@ -57,6 +58,7 @@ CPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecCPUWorker"
 GPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecGPUWorker"
 
 _applied = False
+logger = init_logger(__name__)
 
 
 def parse_speculative_config_arg(value: str) -> dict[str, Any] | str | None:
@@ -97,13 +99,14 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         raise LoopSpecConfigError(
             "loopspec runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER."
         )
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() and not engine_args.enforce_eager:
-        raise LoopSpecConfigError(
-            "loopspec rounds are not yet proven under CUDA graphs or torch.compile on GPU; "
-            "add --enforce-eager (LLM(..., enforce_eager=True))."
-        )
+    if not engine_args.enforce_eager:
+        # The model's forward (native steps) is compiled by vLLM, but the
+        # round calls loop ranges that are not: until compiled ticks (and
+        # CUDA graphs of them) are proven, the whole engine runs eagerly.
+        logger.warning("loopspec: rounds are not compiled yet (no torch.compile, no CUDA graphs); "
+                       "running this engine with --enforce-eager.")
+        engine_args.enforce_eager = True
+        target_model_config.enforce_eager = True
     worker = _worker_class()
     if target_parallel_config.worker_cls not in ("auto", worker):
         raise LoopSpecConfigError(
