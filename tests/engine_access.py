@@ -44,14 +44,11 @@ def skip_unless_kv_readable(llm) -> None:
         pytest.skip(reason)
 
 
-def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key, value) of one token slot of one cache layer, each [kv_heads, head_dim].
-
-    vLLM 0.32's CPU backend, in its x86 "vec" layout, stores a block per head
-    as keys transposed ([head_dim, block_size]) followed by values
-    ([block_size, head_dim]); tests check this reading against the oracle at
-    committed positions. Other layouts (ARM "neon", "amx", GPU backends)
-    are not decoded here (see :func:`skip_unless_kv_readable`)."""
+def _vec_cache(llm, layer_name: str):
+    """(keys [blocks, heads, head_dim, block_size], values [blocks, heads,
+    block_size, head_dim]) views of one cache layer in vLLM 0.32's x86 CPU
+    "vec" layout: a block per head holds its keys transposed, then its
+    values. Tests check this reading against the oracle."""
     layout = _kv_layout(llm, layer_name)
     assert layout in KNOWN_KV_LAYOUTS, f"cannot decode KV layout {layout!r}; call skip_unless_kv_readable first"
     attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
@@ -59,26 +56,26 @@ def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor
     blocks, heads, block_size, two_hd = cache.shape
     hd = two_hd // 2
     flat = cache.view(blocks, heads, 2 * block_size * hd)
-    block, offset = divmod(slot, block_size)
-    keys = flat[block, :, : block_size * hd].view(heads, hd, block_size)[:, :, offset]
-    values = flat[block, :, block_size * hd :].view(heads, block_size, hd)[:, offset]
-    return keys.clone(), values.clone()
+    return (flat[:, :, : block_size * hd].view(blocks, heads, hd, block_size),
+            flat[:, :, block_size * hd:].view(blocks, heads, block_size, hd))
+
+
+def read_kv(llm, layer_name: str, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key, value) of one token slot of one cache layer, each [kv_heads,
+    head_dim]. Other layouts than x86 "vec" (ARM "neon", "amx", GPU
+    backends) are not decoded here (see :func:`skip_unless_kv_readable`)."""
+    keys, values = _vec_cache(llm, layer_name)
+    block, offset = divmod(slot, keys.shape[-1])
+    return keys[block, :, :, offset].clone(), values[block, :, offset].clone()
 
 
 def kv_by_slot(llm, layer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of one cache layer's (keys, values), each [num_slots, kv_heads,
-    head_dim], indexed by slot (the "vec" layout, see :func:`read_kv`)."""
-    layout = _kv_layout(llm, layer_name)
-    assert layout in KNOWN_KV_LAYOUTS, f"cannot decode KV layout {layout!r}; call skip_unless_kv_readable first"
-    attn = model_runner(llm).compilation_config.static_forward_context[layer_name]
-    cache = attn.kv_cache[0] if isinstance(attn.kv_cache, list) else attn.kv_cache
-    blocks, heads, block_size, two_hd = cache.shape
-    hd = two_hd // 2
-    flat = cache.view(blocks, heads, 2 * block_size * hd)
-    keys = flat[:, :, : block_size * hd].view(blocks, heads, hd, block_size).permute(0, 3, 1, 2)
-    values = flat[:, :, block_size * hd:].view(blocks, heads, block_size, hd).permute(0, 2, 1, 3)
-    return (keys.reshape(blocks * block_size, heads, hd).clone(),
-            values.reshape(blocks * block_size, heads, hd).clone())
+    head_dim], indexed by slot."""
+    keys, values = _vec_cache(llm, layer_name)
+    blocks, heads, hd, block_size = keys.shape
+    return (keys.permute(0, 3, 1, 2).reshape(blocks * block_size, heads, hd).clone(),
+            values.permute(0, 2, 1, 3).reshape(blocks * block_size, heads, hd).clone())
 
 
 def free_blocks(llm) -> int:
