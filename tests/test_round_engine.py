@@ -107,11 +107,23 @@ def test_mixed_step_kv_equals_serial_oracle(loopspec_llms, oracle, tokenizer):
     assert mixed_steps["checked"] >= 1, "no step mixed a prefill chunk with rows of different K_i"
 
 
-def test_masked_rows_write_no_kv(loopspec_llms, tokenizer):
+@contextlib.contextmanager
+def _row_buckets(llm, buckets):
+    """Pad draft ticks to these row counts (as CUDA graph capture will)."""
+    drafter = model_runner(llm).drafter
+    drafter.row_buckets = buckets
+    try:
+        yield
+    finally:
+        drafter.row_buckets = None
+
+
+@pytest.mark.parametrize("buckets", [None, [4, 8]], ids=["unpadded", "padded"])
+def test_masked_rows_write_no_kv(loopspec_llms, tokenizer, buckets):
     """Snapshot every cache layer before and after each round: the slots
     whose KV changed are exactly the slots of the tokens the round forwards
     (every non-draft token and every real draft); masked draft-tick rows
-    (pad slot) change nothing."""
+    and padding rows (pad slot) change nothing."""
     llm = loopspec_llms(K)
     skip_unless_kv_readable(llm)
     runner = model_runner(llm)
@@ -134,9 +146,24 @@ def test_masked_rows_write_no_kv(loopspec_llms, tokenizer):
             changed = ((k0 != k1).flatten(1).any(1) | (v0 != v1).flatten(1).any(1)).nonzero().flatten().tolist()
             assert set(changed) <= forwarded, f"{name}: slots outside the step changed: {set(changed) - forwarded}"
 
-    with _around_execute(llm, before, after):
+    with _around_execute(llm, before, after), _row_buckets(llm, buckets):
         _mixed_workload(llm, tokenizer, lambda: None)
     assert seen["masked_rounds"] >= 1, "no round had masked rows"
+
+
+def test_padded_draft_ticks_equal_native(loopspec_llms, native_llm):
+    """Greedy output with draft ticks padded to buckets equals native; the
+    padding rows belong to no request."""
+    llm = loopspec_llms(K)
+    prompts = [SHORT[1], SHORT[3], SHORT[4], MEDIUM[1], SHORT[6]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (19, 5, 12, 27, 3)]
+    sizes = []
+    with _row_buckets(llm, [4, 8, 16]), \
+            _around_execute(llm, lambda plan: sizes.append(plan.num_spec_rows), lambda plan, state: None):
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sizes and set(sizes) <= {4, 8, 16}
 
 
 @contextlib.contextmanager

@@ -74,10 +74,11 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
         valid = plan.drafts_valid
 
         def choose(logits, step):
-            tokens = chooser(logits, step)
-            forced = [override(req_ids[r], step + 1, int(t), anchor_pos[s]) if valid[step, s] else int(t)
-                      for s, (r, t) in enumerate(zip(spec_rows, tokens.tolist()))]
-            return torch.tensor(forced, dtype=tokens.dtype, device=tokens.device)
+            tokens = chooser(logits, step).tolist()
+            for s, r in enumerate(spec_rows):  # padding rows (after these) keep theirs
+                if valid[step, s]:
+                    tokens[s] = override(req_ids[r], step + 1, int(tokens[s]), anchor_pos[s])
+            return torch.tensor(tokens, dtype=torch.int64, device=logits.device)
 
         return _ChooserView(chooser, choose)
 

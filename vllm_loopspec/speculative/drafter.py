@@ -44,6 +44,9 @@ class LoopSpecDrafter:
         self.stats = LoopSpecStats()
         self.runner = None
         self.model = None
+        # Draft ticks padded to these row counts (fixed shapes for CUDA graph
+        # capture); None on CPU, where shapes cost nothing.
+        self.row_buckets: list[int] | None = None
         self._last_num_drafts: np.ndarray | None = None  # K_i of the step just verified
 
     # -- vLLM's proposer interface -------------------------------------------
@@ -126,13 +129,15 @@ class LoopSpecDrafter:
         computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         layout = StepLayout(query_start=query_start, num_drafts=num_drafts,
                             seq_lens=computed + np.diff(query_start))
-        return build_plan(layout, common, runner.attn_groups[0][0], runner.device)
+        return build_plan(layout, common, runner.attn_groups[0][0], runner.device, self.row_buckets)
 
     def make_chooser(self, plan: RoundPlan) -> "DraftChooser":
         runner = self.runner
         spec_rows = plan.layout.spec_rows
-        sampled = runner.input_batch.temperature_cpu[spec_rows] > 0
-        return DraftChooser(runner.input_batch.sampling_metadata, spec_rows, sampled, plan.drafts_valid)
+        pad = plan.num_spec_rows - len(spec_rows)
+        rows = np.concatenate([spec_rows, np.full(pad, spec_rows[0], np.int64)])  # padding: greedy
+        sampled = np.concatenate([runner.input_batch.temperature_cpu[spec_rows] > 0, np.zeros(pad, bool)])
+        return DraftChooser(runner.input_batch.sampling_metadata, rows, sampled, plan.drafts_valid)
 
     def execute(self, plan: RoundPlan, chooser, input_ids, positions) -> RoundOutput:
         from vllm.forward_context import get_forward_context

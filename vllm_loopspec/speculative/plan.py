@@ -8,8 +8,10 @@ fixed sequence of ticks over that flat batch:
 * the *base* ticks: loops ``[0, d)`` over every non-draft token;
 * ``K_max`` *draft* ticks: loops ``[0, d)`` over one token per speculating
   row, the row's ``j``-th draft. Every draft tick has the same rows (all
-  speculating rows); a row whose ``K_i < j`` is *masked*: its token goes to a
-  trash row, its KV slot is ``-1`` (vLLM's pad slot, never written);
+  speculating rows, optionally padded up to a bucket size with rows of no
+  request); a row whose ``K_i < j``, and every padding row, is *masked*: its
+  token goes to a trash row, its KV slot is ``-1`` (vLLM's pad slot, never
+  written);
 * the deep ticks: loops ``[d, R)`` over every token, in the runner's own
   attention metadata.
 
@@ -20,7 +22,7 @@ step. The round then runs without asking the host anything.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -93,17 +95,29 @@ class RoundPlan:
     draft_gather: torch.Tensor  # [sum K_i] index into drafts.view(-1) in vLLM's flat draft order
     drafts_valid: np.ndarray  # [K_max, B_s] host mask: draft j of row s is real
     trash: int  # flat row that masked ticks write to (== num_tokens)
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_spec_rows(self) -> int:
+        """Rows of every draft tick: the speculating rows, then padding."""
         return int(self.anchor_index.shape[0])
 
 
-def build_plan(layout: StepLayout, common, attn_group, device: torch.device) -> RoundPlan:
+def padded_rows(num_rows: int, buckets: list[int] | None) -> int:
+    """The smallest bucket that holds ``num_rows`` (no padding without buckets
+    or above the largest)."""
+    for size in sorted(buckets or []):
+        if size >= num_rows:
+            return size
+    return num_rows
+
+
+def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
+               row_buckets: list[int] | None = None) -> RoundPlan:
     """Plan the step's ticks. ``common`` is the step's
     ``CommonAttentionMetadata`` (all scheduled tokens), ``attn_group`` the
-    runner's attention group of the KV cache group (all loops share one)."""
+    runner's attention group of the KV cache group (all loops share one).
+    With ``row_buckets``, draft ticks are padded to a bucket size (fixed
+    shapes for graph capture); padding rows belong to no request."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     n = layout.num_tokens
@@ -140,10 +154,14 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device) -> 
     base = tick(base_query, base_seq, np.arange(layout.num_rows), slot_mapping[base_index_dev])
 
     # Draft ticks: one token per speculating row; masked where K_i < j.
+    # Padding rows: no drafts, anchored at the trash row, reading (never
+    # writing) the first speculating row's blocks at position 0.
     spec = layout.spec_rows
-    k_i = layout.num_drafts[spec]
-    anchors = layout.anchors[spec]
-    anchor_pos = layout.seq_lens[spec] - k_i - 1
+    pad = padded_rows(len(spec), row_buckets) - len(spec)
+    k_i = np.concatenate([layout.num_drafts[spec], np.zeros(pad, np.int64)])
+    anchors = np.concatenate([layout.anchors[spec], np.full(pad, n, np.int64)])
+    anchor_pos = np.concatenate([layout.seq_lens[spec] - layout.num_drafts[spec] - 1, np.zeros(pad, np.int64)])
+    tick_rows = np.concatenate([spec, np.full(pad, spec[0], np.int64)])
     steps = np.arange(1, layout.max_drafts + 1)[:, None]  # [K_max, 1]
     valid = steps <= k_i[None, :]  # [K_max, B_s]
     draft_index = np.where(valid, anchors[None, :] + steps, n)
@@ -154,10 +172,10 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device) -> 
     drafts = []
     for j in range(layout.max_drafts):
         slots = torch.where(valid_dev[j], slots_padded[draft_index_dev[j]], PAD_SLOT)
-        drafts.append(tick(np.ones(len(spec), np.int32), draft_pos[j] + 1, spec, slots))
+        drafts.append(tick(np.ones(len(tick_rows), np.int32), draft_pos[j] + 1, tick_rows, slots))
     # vLLM's flat draft order: row by row, j = 1..K_i.
     row_major = np.nonzero(valid.T.reshape(-1))[0]  # index into [B_s, K_max]
-    gather = (row_major // layout.max_drafts) + (row_major % layout.max_drafts) * len(spec)
+    gather = (row_major // layout.max_drafts) + (row_major % layout.max_drafts) * len(tick_rows)
     return RoundPlan(
         layout=layout,
         base_index=base_index_dev,
