@@ -28,9 +28,12 @@ Servers. ``vllm serve checkpoints/ouro-stdlib --speculative-config loopspec``
 other engines on this machine) with ``--num-gpu-blocks-override`` set to
 ``--kv-fraction`` of the KV blocks the workload would hold at ``--concurrency``
 (shared prefix blocks once, plus the private blocks of that many average
-requests), so that the cache runs full and the scheduler preempts. After the
-loopspec phase the same server without speculation (the native server, same
-blocks) replays every greedy request that completed, for the identity check.
+requests), so that the cache runs full and the scheduler preempts, and with
+``--max-num-batched-tokens`` (512) below the longer prompts, so that prefills
+are chunked (a seeded request in a chunked prefill killed every CPU engine
+until patch 6). After the loopspec phase the same server without speculation
+(the native server, same arguments) replays every greedy request that
+completed, for the identity check.
 
 Phases and checks.
 1. Warm-up: ``--warmup`` requests from an independent mix; then the server
@@ -38,7 +41,10 @@ Phases and checks.
 2. Load: ``--requests`` at ``--concurrency``, bounded by ``--time-limit``;
    meanwhile ``/health`` is polled every second, and RSS (the ``vllm serve``
    process and all its descendants, VmRSS summed) and the scheduler gauges
-   are sampled every ``--sample-every`` seconds.
+   are sampled every ``--sample-every`` seconds. RSS grows over the first
+   ~1500 requests (the native server's as much) and then stays flat, so
+   the report gives the growth over the load's second half besides the
+   before/after delta.
 3. Idle: wait until no request runs or waits, send one 1-token probe (the
    scheduler's gauges are published only with engine outputs, so an abort
    as the last event would leave them stale), then read
@@ -549,9 +555,12 @@ class Watch:
 
 
 def wait_idle(srv: VllmServer, timeout: float = 300.0) -> bool:
-    """Wait until the scheduler reports no running or waiting request."""
+    """Wait until the scheduler reports no running or waiting request (False:
+    timed out, or the server exited)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
+        if srv.proc.poll() is not None:
+            return False
         values = scrape(srv)["values"]
         if not values["vllm:num_requests_running"] and not values["vllm:num_requests_waiting"]:
             return True
@@ -608,23 +617,27 @@ def compare(spec: Spec, loopspec: dict, native: dict) -> dict | None:
 
 
 # -- phases --------------------------------------------------------------------
-def server_args(blocks: int, speculative: bool) -> list[str]:
-    return [*COMMON_ARGS, "--num-gpu-blocks-override", str(blocks),
+def server_args(blocks: int, batched_tokens: int, speculative: bool) -> list[str]:
+    return [*COMMON_ARGS, "--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(batched_tokens),
             *(["--speculative-config", "loopspec"] if speculative else [])]
 
 
 def start_server(args: argparse.Namespace, blocks: int, speculative: bool,
                  name: str) -> tuple[VllmServer, float]:
     """``vllm serve`` with the soak's arguments and environment; (server, startup s)."""
-    srv = VllmServer(args.checkpoint, *server_args(blocks, speculative), env=SERVER_ENV,
+    srv = VllmServer(args.checkpoint, *server_args(blocks, args.max_num_batched_tokens, speculative), env=SERVER_ENV,
                      log_path=args.log_dir / f"{name}.serve.log")
     t0 = time.monotonic()
     srv.__enter__()
     return srv, time.monotonic() - t0
 
 
-def log_tail(srv: VllmServer, chars: int = 4000) -> str:
-    return srv.log_path.read_text(errors="replace")[-chars:] if srv.log_path else ""
+def log_errors(srv: VllmServer, limit: int = 10) -> list[str]:
+    """The distinct exception lines of the server's log (the root cause of a
+    crash; its tail is only shutdown noise)."""
+    text = srv.log_path.read_text(errors="replace") if srv.log_path else ""
+    found = re.findall(r"^.*\bERROR\b.*?\] ((?:\w+\.)*\w*(?:Error|Exception): .*)$", text, re.M)
+    return list(dict.fromkeys(found))[:limit]
 
 
 async def load_with_watch(srv: VllmServer, model: str, specs: list[Spec], args: argparse.Namespace,
@@ -642,18 +655,24 @@ async def load_with_watch(srv: VllmServer, model: str, specs: list[Spec], args: 
 
 def memory_section(before: dict, after: dict | None, during: list[dict]) -> dict:
     """RSS before and after the load (the server idle both times), the
-    delta, and the series sampled during the load."""
+    delta, the growth over the second half of the load (the better leak
+    signal: see the module docstring), and the series."""
+    half = during[len(during) // 2:]
     return {"before": before, "after": after,
             "delta_mib": round(after["rss_mib"] - before["rss_mib"], 1) if after else None,
+            "second_half_growth_mib": round(half[-1]["rss_mib"] - half[0]["rss_mib"], 1) if half else None,
             "max_during_mib": max((s["rss_mib"] for s in during), default=None),
             "series": [{k: s[k] for k in ("t_s", "rss_mib")} for s in during]}
 
 
 def server_section(srv: VllmServer, watch: Watch) -> dict:
     """Crashed: the process exited or ``/health`` failed at any point."""
-    crashed = watch.health["failures"] > 0 or srv.proc.poll() is not None
-    return {"crashed": crashed, "exit_code": srv.proc.poll(), "health": watch.health,
-            "log_tail": log_tail(srv) if crashed else None}
+    exit_code = srv.proc.poll()
+    if exit_code is not None and watch.health["first_failure"] is None:  # died before the first poll
+        watch.health["first_failure"] = {"t_s": None, "what": f"process exited with {exit_code} before the load"}
+    crashed = watch.health["failures"] > 0 or exit_code is not None
+    return {"crashed": crashed, "exit_code": exit_code, "health": watch.health,
+            "log": str(srv.log_path), "log_errors": log_errors(srv) if crashed else []}
 
 
 def loopspec_phase(args: argparse.Namespace, specs: list[Spec], warmup: list[Spec],
@@ -668,10 +687,10 @@ def loopspec_phase(args: argparse.Namespace, specs: list[Spec], warmup: list[Spe
         print(f"[soak] loopspec server up in {startup:.0f} s; warm-up of {len(warmup)}", flush=True)
         warm = asyncio.run(run_requests(srv.url, model, warmup, args.concurrency, args.request_timeout))
         section["warmup"] = outcome_summary(warm)
-        if srv.proc.poll() is not None:
-            raise RuntimeError(f"the loopspec server exited during the warm-up:\n{log_tail(srv)}")
-        wait_idle(srv)
-        before_rss, before = rss_sample(srv.proc.pid, t0, "before"), scrape(srv)
+        # A server that died in the warm-up still gets the load (it fails
+        # fast) so that the watch records the crash and the report is written.
+        before = scrape(srv) if wait_idle(srv) else None
+        before_rss = rss_sample(srv.proc.pid, t0, "before")
         t_load = time.monotonic()
         results, watch = asyncio.run(load_with_watch(srv, model, specs, args, t0))
         section["load"] = {"wall_s": round(time.monotonic() - t_load, 1), **outcome_summary(results)}
@@ -679,7 +698,7 @@ def loopspec_phase(args: argparse.Namespace, specs: list[Spec], warmup: list[Spe
         alive = srv.proc.poll() is None
         section["kv_idle"] = idle_kv(srv, model) if alive else {"leaked": None, "why": "server exited"}
         after_rss = rss_sample(srv.proc.pid, t0, "after") if alive else None
-        section["metrics"] = counter_deltas(before, scrape(srv)) if alive else None
+        section["metrics"] = counter_deltas(before, scrape(srv)) if alive and before else None
         section["gauges_series"] = watch.gauges
         section["memory"] = memory_section(before_rss, after_rss, watch.rss)
     finally:
@@ -725,7 +744,7 @@ def environment() -> dict:
     model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
     return {"timestamp": datetime.now().isoformat(timespec="seconds"),
             "git_commit": git("rev-parse", "HEAD"),
-            "git_modified": [line[3:] for line in git("status", "--porcelain", "-uno").splitlines()],
+            "git_modified": [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "-uno").splitlines()],
             "vllm": version("vllm"), "torch": version("torch"), "aiohttp": version("aiohttp"),
             "python": platform.python_version(), "platform": platform.platform(),
             "cpu_model": model.group(1) if model else None, "cpu_count": os.cpu_count(),
@@ -758,6 +777,7 @@ def human_summary(report: dict) -> str:
         f"{'PASS' if not report['failures'] else 'FAIL: ' + '; '.join(report['failures'])}",
         f"  requests: {ls['load']['outcomes']} in {ls['load']['wall_s']:.0f} s",
         *[f"  error x{e['count']}: {k}" for k, e in ls["load"]["errors"].items()],
+        *[f"  server log: {line}" for line in ls["server"]["log_errors"]],
         f"  crashed: {ls['server']['crashed']} (health polls {ls['server']['health']['polls']}, "
         f"slow {ls['server']['health']['timeouts']})",
         f"  greedy identity: {greedy.get('compared')} compared, {greedy.get('mismatches')} mismatches",
@@ -765,7 +785,7 @@ def human_summary(report: dict) -> str:
         f"{ls['kv_idle'].get('num_requests_running')}, waiting {ls['kv_idle'].get('num_requests_waiting')}",
         f"  RSS: {mem['before']['rss_mib']:.0f} MiB before, "
         f"{mem['after']['rss_mib'] if mem['after'] else float('nan'):.0f} after (delta {mem['delta_mib']}), "
-        f"max {mem['max_during_mib']}",
+        f"max {mem['max_during_mib']}, growth over the load's second half {mem['second_half_growth_mib']}",
         f"  preemptions {m.get('preemptions')}, prefix cache hit rate "
         f"{(m.get('prefix_cache') or {}).get('hit_rate')}, KV blocks {report['settings']['kv_blocks']}",
         f"  acceptance {spec.get('acceptance_rate')}, mean accepted length {spec.get('mean_accepted_length')}",
@@ -784,6 +804,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefixes", type=int, default=4, help="shared long prefixes")
     p.add_argument("--kv-fraction", type=float, default=0.7,
                    help="KV blocks as a fraction of the estimated demand at --concurrency")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="the scheduler's token budget per step: below the prompt lengths, so prefills are chunked")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the load; the rest is not sent")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS/gauge samples")
@@ -811,7 +833,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"requests": args.requests, "concurrency": args.concurrency, "warmup": args.warmup,
                      "seed": args.seed, "max_tokens": args.max_tokens, "prefixes": args.prefixes,
                      "kv_fraction": args.kv_fraction, "kv_blocks": blocks, "kv_block_size": BLOCK_SIZE,
-                     "kv_demand_estimate": round(demand, 1), "time_limit_s": args.time_limit,
+                     "kv_demand_estimate": round(demand, 1), "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "time_limit_s": args.time_limit,
                      "request_timeout_s": args.request_timeout, "server_env": SERVER_ENV,
                      "log_dir": str(args.log_dir)},
         "workload": workload_summary(specs)}
