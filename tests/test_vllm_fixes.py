@@ -47,3 +47,25 @@ def test_top_k_without_top_p_is_served_by_loopspec(loopspec_llms, tokenizer):
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_seeded_request_in_a_chunked_prefill_is_served_and_replays(native_llm, loopspec_llms, tiny_checkpoint,
+                                                                    tokenizer):
+    """Patch 6 (``patches.keep_seeded_streams_on_discard``): a seeded sampled
+    request whose prompt is prefilled in several steps (the test engines'
+    budget is 128 tokens) used to kill a CPU engine when vLLM rewound its
+    generator. It is served, and its output is the same as on an engine
+    that prefills it in one step (the request's stream is untouched by the
+    discarded draws)."""
+    from conftest import make_llm
+    from prompts import long_prompt
+
+    ids = tokenizer(long_prompt(300, tokenizer))["input_ids"]
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2}
+    pairs = [(native_llm, make_llm(tiny_checkpoint, max_num_batched_tokens=1024)),
+             (loopspec_llms(4), make_llm(tiny_checkpoint, spec, max_num_batched_tokens=1024))]
+    for chunked, one_step in pairs:
+        got, want = (list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
+                     for llm in (chunked, one_step))
+        assert got == want
