@@ -28,6 +28,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -rs -m "not slow" tests
 
+# Long run of the request fuzzer (issue 10: every sampling parameter is
+# served or refused, never fatal); make test draws 25 batches.
+FUZZ_EXAMPLES ?= 500
+fuzz: $(STAMP)
+	LOOPSPEC_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -rs --hypothesis-show-statistics tests/test_request_fuzz.py
+
 bench: $(STAMP)
 	$(PY) benchmarks/native_decode.py
 
