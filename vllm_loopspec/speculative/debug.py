@@ -9,8 +9,7 @@ set it). All hooks are off (``None``) until a caller sets them:
 * ``trace``: a list; each round appends ``{req_id: {"prefix", "tokens",
   "positions", "slots"}}`` (tokens are ``[A, c_1..c_K]``);
 * ``profile``: a dict; each round adds wall seconds per phase ("plan",
-  "base", "draft", "draft_logits", "draft_host", "verify") and counts
-  ("rounds", "draft_ticks").
+  "base", "draft", "draft_logits", "draft_choose", "draft_host", "verify").
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
             # compute inside them (layers, lm_head, embedding).
             draft_wall = total - model.base_seconds - model.verify_seconds
             self._add("draft_host", draft_wall - model.draft_compute_seconds)
-            self._add("rounds", 1)
-            self._add("draft_ticks", len(plan.drafts))
 
     # -- draft override and trace -------------------------------------------------
     def make_chooser(self, plan):
