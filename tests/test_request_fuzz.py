@@ -9,7 +9,9 @@ native engine. Per batch:
 (a) greedy rows give native's tokens, text, finish reason and logprobs, and
     every row native's prompt logprobs;
 (b) seeded sampled rows replay exactly when the batch runs again on the
-    loopspec engine, rows in another order;
+    loopspec engine (same order, prefix cache reset as for the first run: a
+    seeded request's stream under speculation depends on how its steps are
+    scheduled; see ``test_seeded_row_does_not_depend_on_its_neighbours``);
 (c) a request is refused only when it is built (``SamplingParams``) or added
     (``add_request``), with a clear per-request error, and only where native
     refuses it too, or where native serves it and vLLM says the feature is
@@ -17,6 +19,10 @@ native engine. Per batch:
     batch then raises that error and leaves the engine clean;
 (d) afterwards both engines are idle (no request left, every KV block free)
     and a greedy probe still gets native's answer.
+
+Every batch starts with empty prefix caches, so an example does not depend
+on the ones before it (Hypothesis replays and shrinks examples) and long
+prompts are prefilled in chunks.
 
 Served outputs also keep the request's own contract (lengths, stop tokens,
 allowed tokens, bad words, structured output, logprobs shapes). The one
@@ -103,7 +109,6 @@ class Row:
 class Batch:
     engine: tuple[int, int]
     rows: list[Row]
-    replay_order: list[int]
 
 
 @dataclass
@@ -199,9 +204,7 @@ def rows(draw) -> Row:
 @st.composite
 def batches(draw) -> Batch:
     engine = draw(st.sampled_from(ENGINES))
-    batch_rows = draw(st.lists(rows(), min_size=1, max_size=6))
-    order = draw(st.permutations(range(len(batch_rows))))
-    return Batch(engine, batch_rows, list(order))
+    return Batch(engine, draw(st.lists(rows(), min_size=1, max_size=6)))
 
 
 # -- running a batch --------------------------------------------------------------
@@ -461,6 +464,7 @@ def check_batch(engines: Engines, batch: Batch) -> None:
     """Properties (a)-(d) of the module docstring for one batch."""
     llm, native_llm, prompts = engines.loopspec(*batch.engine), engines.native, engines.prompts
     rows_ = batch.rows
+    assert llm.reset_prefix_cache() and native_llm.reset_prefix_cache()
     spec = run_batch(llm, rows_, prompts)
     native = run_batch(native_llm, rows_, prompts)
     for row, s, n in zip(rows_, spec, native):
@@ -487,14 +491,13 @@ def check_batch(engines: Engines, batch: Batch) -> None:
         assert str(raised.value) == str(refused_at_add[0].error)
         assert_idle(llm, "loopspec after a refused generate")
 
-    # (b) Seeded sampled rows replay exactly, rows in another order.
-    replay_rows = [rows_[i] for i in batch.replay_order]
-    replay = run_batch(llm, replay_rows, prompts)
-    for i, again in zip(batch.replay_order, replay):
-        first = spec[i]
-        assert type(again) is type(first), f"served once, refused once: {rows_[i]}"
-        if rows_[i].seeded and isinstance(first, Served):
-            assert again.completions == first.completions, f"seeded row did not replay: {rows_[i]}"
+    # (b) Seeded sampled rows replay exactly.
+    assert llm.reset_prefix_cache()
+    replay = run_batch(llm, rows_, prompts)
+    for row, first, again in zip(rows_, spec, replay):
+        assert type(again) is type(first), f"served once, refused once: {row}"
+        if row.seeded and isinstance(first, Served):
+            assert again.completions == first.completions, f"seeded row did not replay: {row}"
 
     # (d) Both engines idle, KV free, and still answering.
     assert_idle(llm, "loopspec")
@@ -509,25 +512,31 @@ COUNTEREXAMPLES = {
     # (a sampled row with top_k and no top_p; the fuzzer's shrunk example).
     "top_k_only_sampled_row": Batch((4, 2), [
         Row(("text", 0), {"max_tokens": 1, "temperature": 1e-3, "n": 1, "top_k": 1}),
-    ], [0]),
+    ]),
+    # With patch 6 disabled: a seeded request whose prompt is prefilled in
+    # chunks made vLLM rewind its CPU generator, which raised in the step.
+    "seeded_row_in_a_chunked_prefill": Batch((4, 2), [
+        Row(("long", 990), {"max_tokens": 1, "temperature": 1e-3, "n": 1, "seed": 0}),
+        Row(("text", 0), {"max_tokens": 6, "temperature": 1.0, "n": 2, "seed": 5}),
+    ]),
     # Rows waiting for their grammar to compile while the engine steps: a
     # step budget alone would call this a hang.
     "grammar_compiling_while_stepping": Batch((4, 2), [
         Row(("text", 1), {"max_tokens": 6, "temperature": 0.0, "repetition_penalty": 2.0, "logprobs": 20,
                           "prompt_logprobs": 2, "ignore_eos": True, "structured_outputs": {"choice": ["yes", "no"]}}),
-    ], [0]),
+    ]),
     # allowed_token_ids contradict the grammar: vLLM ends that request with
     # finish_reason "error" and serves the rest.
     "grammar_contradicts_allowed_tokens": Batch((4, 2), [
         Row(("text", 0), {"max_tokens": 1, "temperature": 0.0, "allowed_token_ids": [0],
                           "structured_outputs": {"choice": ["yes", "no"]}}),
         Row(("text", 2), {"max_tokens": 6, "temperature": 0.0}),
-    ], [1, 0]),
+    ]),
     # The grammar ends at EOS before min_tokens.
     "grammar_ends_before_min_tokens": Batch((4, 2), [
         Row(("text", 0), {"max_tokens": 6, "temperature": 0.0, "min_tokens": 6,
                           "structured_outputs": {"choice": ["yes", "no"]}}),
-    ], [0]),
+    ]),
     # min_tokens masks the only allowed token (a stop token): every logit is
     # -inf and both engines emit token 0 until min_tokens is reached.
     "min_tokens_masks_every_allowed_token": Batch((4, 2), [
@@ -535,7 +544,7 @@ COUNTEREXAMPLES = {
                           "stop_token_ids": [113], "ignore_eos": True, "allowed_token_ids": [113]}),
         Row(("text", 6), {"max_tokens": 17, "temperature": 0.0, "min_tokens": 8, "stop_token_ids": [113],
                           "ignore_eos": True, "allowed_token_ids": [113]}),
-    ], [1, 0]),
+    ]),
     # A random prompt ending inside a UTF-8 character: vLLM's text of the
     # completion starts with the prompt's tail (both engines); the grammar
     # holds on the tokens.
@@ -547,10 +556,60 @@ COUNTEREXAMPLES = {
              "structured_outputs": {"choice": ["yes", "no"]}}),
         Row(("long", 990), {"max_tokens": 6, "temperature": 0.7, "n": 1, "stop_token_ids": [510, 291, 481],
                             "bad_words": [" de", "W", "at"]}),
-    ], [1, 0, 2]),
+    ]),
 }
 
 
 @pytest.mark.parametrize("name", list(COUNTEREXAMPLES))
 def test_counterexample(engines, name):
     check_batch(engines, COUNTEREXAMPLES[name])
+
+
+# -- a limit the fuzzer found: seeded streams follow the step schedule ------------
+SEEDED_ONE_TOKEN = Row(("ids", (176,)), {"max_tokens": 6, "temperature": 1.0, "seed": 164471, "top_k": 5})
+
+
+def seeded_after_a_decoding_neighbour(llm, prompts: Prompts) -> list:
+    """SEEDED_ONE_TOKEN's completion when it arrives while another request is
+    decoding: vLLM 0.32's scheduler then pads its one-token prefill to 1+K
+    slots (``Scheduler.schedule``: "Pad new decode requests to uniform spec
+    decoding size"), so its first token comes from a round, not a plain
+    sample."""
+    assert llm.reset_prefix_cache()
+    engine = llm.llm_engine
+    neighbour = f"fuzz-{next(_request_numbers)}"
+    engine.add_request(neighbour, {"prompt_token_ids": prompts(("text", 0))},
+                       make_params({"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}))
+    engine.step()  # the neighbour's prefill: it decodes from now on
+    seeded = f"fuzz-{next(_request_numbers)}"
+    engine.add_request(seeded, {"prompt_token_ids": prompts(SEEDED_ONE_TOKEN.prompt)},
+                       make_params(SEEDED_ONE_TOKEN.params))
+    result = None
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.request_id == seeded and out.finished:
+                result = Served(out).completions
+    assert result is not None, "the seeded request did not finish"
+    assert_idle(llm, "after the seeded request")
+    return result
+
+
+def alone(llm, prompts: Prompts) -> list:
+    assert llm.reset_prefix_cache()
+    (outcome,) = run_batch(llm, [SEEDED_ONE_TOKEN], prompts)
+    return outcome.completions
+
+
+def test_native_seeded_row_does_not_depend_on_its_neighbours(engines):
+    assert seeded_after_a_decoding_neighbour(engines.native, engines.prompts) == alone(engines.native, engines.prompts)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "loopspec (like any speculative method) draws a seeded request's random numbers per draft: its stream "
+    "depends on how many drafts each of its steps gets, which vLLM's scheduler decides from the whole batch "
+    "(padding of one-token prefills, token budget). Replays hold for the same batch and schedule only."))
+def test_seeded_row_does_not_depend_on_its_neighbours(engines):
+    llm = engines.loopspec(4, 2)
+    assert seeded_after_a_decoding_neighbour(llm, engines.prompts) == alone(llm, engines.prompts)
