@@ -217,8 +217,12 @@ class DraftChooser:
     shallow distribution ``q`` (temperature, top-k, top-p: the processing
     vLLM's rejection sampler applies to the target), written into one
     ``[B_s, K_max, vocab]`` buffer for the sampler. Seeded requests draw
-    from their own generator, and only for drafts they really make, so a
-    seeded request replays whatever its batch neighbours do."""
+    from their own generator, and only for drafts they really make (masked
+    and padding rows draw nothing). A seeded request therefore replays
+    exactly under the same schedule; where vLLM's scheduler gives it a
+    different number of drafts (its padding of one-token prefills, the token
+    budget), its stream differs, as with any speculative method
+    (``tests/test_request_fuzz.py``, strict xfail)."""
 
     def __init__(self, meta, spec_rows: np.ndarray, sampled: np.ndarray, drafts_valid: np.ndarray) -> None:
         self.q: torch.Tensor | None = None
