@@ -107,3 +107,18 @@ def loopspec_llms(tiny_checkpoint):
 
     yield get
     engines.clear()
+
+
+@pytest.fixture(scope="session")
+def loopspec_server(tiny_checkpoint, tmp_path_factory):
+    """``vllm serve`` of the tiny checkpoint with the bare-word
+    ``--speculative-config loopspec``, shared by the server tests (its log
+    is at ``.log``)."""
+    from vllm_loopspec.server_process import VllmServer
+
+    log = tmp_path_factory.mktemp("loopspec-server") / "serve.log"
+    with VllmServer(tiny_checkpoint, "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                    "--gpu-memory-utilization", "0.5", "--speculative-config", "loopspec",
+                    log_path=log) as srv:
+        srv.log = log
+        yield srv

@@ -31,12 +31,8 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 
 @pytest.fixture(scope="module")
-def spec_server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("spec-server") / "serve.log"
-    with VllmServer(tiny_checkpoint, "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-                    "--gpu-memory-utilization", "0.5", "--speculative-config", "loopspec",
-                    log_path=log) as srv:
-        yield srv
+def spec_server(loopspec_server):
+    return loopspec_server
 
 
 @pytest.mark.slow
@@ -56,19 +52,41 @@ def test_streamed_loopspec_completion_equals_native(spec_server, oracle, tokeniz
 
 @pytest.mark.slow
 def test_metrics_endpoint_has_spec_decode_and_loopspec_counters(spec_server):
+    """Counters move together over this test's own requests (deltas: the
+    server is shared, and drafts of requests aborted mid-round are counted
+    by loopspec's rounds but not by vLLM's scheduler)."""
+    names = ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "loopspec:drafted_tokens_total", "loopspec:rounds_total"]
+    rows_names = [("loopspec:rows_per_loop_total", f'loop="{u}"') for u in range(1, 5)]
+    skipped = ("loopspec:skipped_rows_total", 'reason="logprobs"')
+
+    def snapshot():
+        text = spec_server.metrics()
+        return ({n: _metric(text, n) for n in names}, [_metric(text, *r) for r in rows_names],
+                _metric(text, *skipped))
+
+    def idle():  # earlier traffic (other tests share the server) has drained and been flushed
+        text = spec_server.metrics()
+        assert _metric(text, "vllm:num_requests_running") == 0 and _metric(text, "vllm:num_requests_waiting") == 0
+        first = snapshot()
+        time.sleep(0.5)  # > the workers' flush period
+        assert snapshot() == first
+
+    _until(idle, timeout=300)
+    before, rows_before, skipped_before = snapshot()
     body = {"model": spec_server.model_name(), "prompt": "import os\n", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
     spec_server.post("/v1/completions", body)
     spec_server.post("/v1/completions", {**body, "logprobs": 2, "max_tokens": 4})
 
     def counters_agree():
-        text = spec_server.metrics()
-        assert _metric(text, "vllm:spec_decode_num_drafts_total") > 0
-        assert _metric(text, "vllm:spec_decode_num_draft_tokens_total") == _metric(
-            text, "loopspec:drafted_tokens_total")
-        assert _metric(text, "loopspec:rounds_total") > 0
-        rows = [_metric(text, "loopspec:rows_per_loop_total", f'loop="{u}"') for u in range(1, 5)]
+        after, rows_after, skipped_after = snapshot()
+        delta = {n: after[n] - before[n] for n in names}
+        assert delta["vllm:spec_decode_num_drafts_total"] > 0
+        assert delta["vllm:spec_decode_num_draft_tokens_total"] == delta["loopspec:drafted_tokens_total"]
+        assert delta["loopspec:rounds_total"] > 0
+        rows = [a - b for a, b in zip(rows_after, rows_before)]
         assert rows[0] > 0 and rows == [rows[0]] * 4
-        assert _metric(text, "loopspec:skipped_rows_total", 'reason="logprobs"') >= 3
+        assert skipped_after - skipped_before >= 3
 
     _until(counters_agree)

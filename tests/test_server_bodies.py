@@ -80,13 +80,8 @@ EITHER = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    log = tmp_path_factory.mktemp("server-bodies") / "serve.log"
-    with VllmServer(tiny_checkpoint, "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-                    "--gpu-memory-utilization", "0.5", "--speculative-config", "loopspec",
-                    log_path=log) as srv:
-        srv.log = log
-        yield srv
+def server(loopspec_server):
+    return loopspec_server
 
 
 def send(server, path: str, body) -> tuple[int, object]:
