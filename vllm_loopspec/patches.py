@@ -125,7 +125,7 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
     engine_args.speculative_config = {
         "method": "custom_class",
         "model": DEBUG_DRAFTER_CLASS if debug else DRAFTER_CLASS,
-        "num_speculative_tokens": opts.num_speculative_tokens,
+        "num_speculative_tokens": opts.draft_slots,
     }
 
 

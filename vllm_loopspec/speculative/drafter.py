@@ -5,9 +5,14 @@ drafter owns speculation and the runner only calls it:
 
 * :meth:`LoopSpecDrafter.propose` (vLLM calls it after each step's
   bookkeeping): counts the step's acceptance and answers how many draft
-  slots each request gets next step (``K_i``, shrunk near ``max_tokens`` and
-  the context limit). The slots hold placeholders: loopspec drafts inside the
-  next step's forward, where the shallow loops of ``A`` run anyway.
+  slots each request gets next step (``K_i``: from the adaptive policy,
+  :mod:`~vllm_loopspec.speculative.adaptive`, or the fixed K; shrunk near
+  ``max_tokens`` and the context limit; 0 for requests whose sampling the
+  rejection sampler cannot verify). The slots hold placeholders: loopspec
+  drafts inside the next step's forward, where the shallow loops of ``A``
+  run anyway.
+* :meth:`LoopSpecDrafter.step_started` / :meth:`step_finished` (from the
+  runner): time each engine step for the adaptive policy's cost model.
 * :meth:`LoopSpecDrafter.run_step` (called from the runner's model forward):
   plans the step's ticks, runs the round, and hands the drafts (and, when
   sampling, the draft distribution ``q``) to vLLM's rejection sampler.
@@ -17,9 +22,12 @@ The served model is the draft model: its loops ``[0, d)``.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
+from vllm_loopspec.speculative.adaptive import AdaptiveController
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan
 from vllm_loopspec.speculative.round import RoundOutput, run_round
@@ -31,6 +39,11 @@ PLACEHOLDER_TOKEN = 0  # vLLM schedules these slots; the round writes the real d
 SKIP_LOGPROBS = "logprobs"
 SKIP_STRUCTURED = "structured_output"
 SKIP_BUDGET = "token_budget"  # max_tokens or max_model_len leaves no room
+# vLLM's rejection sampler cannot apply these to the target distribution:
+# such requests decode one token per step, through the plain sampler's path.
+SKIP_MIN_P = "min_p"
+SKIP_LOGIT_BIAS = "logit_bias"
+_SAMPLING_EPS = 1e-5
 
 
 class LoopSpecDrafter:
@@ -48,6 +61,16 @@ class LoopSpecDrafter:
         # capture); None on CPU, where shapes cost nothing.
         self.row_buckets: list[int] | None = None
         self._last_num_drafts: np.ndarray | None = None  # K_i of the step just verified
+        self.controller: AdaptiveController | None = None
+        if self.options.adaptive:
+            self.controller = AdaptiveController(
+                max_k=self.options.max_speculative_tokens,
+                start_k=self.options.num_speculative_tokens,
+                max_width=vllm_config.scheduler_config.max_num_seqs,
+            )
+        self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
+        self._step_start = 0.0
+        self._step_end: float | None = None
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -69,13 +92,29 @@ class LoopSpecDrafter:
         """Placeholder drafts for the next step, ``K_i`` per request."""
         self._count_acceptance(sampled_token_ids)
         max_len = self.runner.model_config.max_model_len
-        proposals: list[list[int]] = []
-        for row, req_id in enumerate(self.runner.input_batch.req_ids):
+        batch = self.runner.input_batch
+        limits: list[int | None] = []
+        for row, req_id in enumerate(batch.req_ids):
             if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
-                proposals.append([])  # partial prefill chunk: nothing sampled
+                limits.append(None)  # partial prefill chunk: nothing sampled
                 continue
-            proposals.append([PLACEHOLDER_TOKEN] * self.num_drafts(row, req_id, max_len))
-        return proposals
+            limits.append(self.num_drafts(row, req_id, max_len))
+        if self.controller is not None:
+            limits = self._adapt(limits)
+        return [[] if k is None else [PLACEHOLDER_TOKEN] * k for k in limits]
+
+    def _adapt(self, limits: list[int | None]) -> list[int | None]:
+        """The adaptive policy's ``K_i`` within each request's limit."""
+        batch = self.runner.input_batch
+        decoding = [row for row, k in enumerate(limits) if k is not None]
+        requests = [(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), limits[row]) for row in decoding]
+        drafts, skipped = self.controller.plan(requests)
+        self.stats.skipped.update(skipped)
+        self.controller.forget(batch.req_ids)
+        out = list(limits)
+        for row, k in zip(decoding, drafts):
+            out[row] = k
+        return out
 
     # -- per-request K ---------------------------------------------------------
     def num_drafts(self, row: int, req_id: str, max_len: int) -> int:
@@ -89,26 +128,58 @@ class LoopSpecDrafter:
         if getattr(params, "structured_outputs", None) is not None:
             self.stats.skipped[SKIP_STRUCTURED] += 1
             return 0
+        if params.min_p > _SAMPLING_EPS:
+            self.stats.skipped[SKIP_MIN_P] += 1
+            return 0
+        if params.logit_bias:
+            self.stats.skipped[SKIP_LOGIT_BIAS] += 1
+            return 0
         num_tokens = int(self.runner.input_batch.num_tokens_no_spec[row])
         room_output = (params.max_tokens or max_len) - len(state.output_token_ids) - 1
         if room_output < 0:
             return 0  # finished this step
         room_context = max_len - num_tokens - 1
-        k = min(self.options.num_speculative_tokens, room_output, room_context)
+        k = min(self.options.draft_slots, room_output, room_context)
         if k <= 0:
             self.stats.skipped[SKIP_BUDGET] += 1
             return 0
         return k
 
+    # -- step timing (the adaptive policy's cost model) -----------------------
+    def step_started(self, scheduler_output) -> None:
+        now = time.perf_counter()
+        tokens = scheduler_output.total_num_scheduled_tokens
+        if self.controller is None or not tokens:
+            self._step_shape = None
+            return
+        drafts = [len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values()]
+        self._step_shape = (max(drafts, default=0), sum(1 for k in drafts if k), tokens)
+        if self._step_end is not None:
+            self.controller.observe_gap(now - self._step_end)
+        self._step_start = now
+
+    def step_finished(self) -> None:
+        if self._step_shape is None:
+            return
+        self._step_end = time.perf_counter()
+        self.controller.observe_step(*self._step_shape, self._step_end - self._step_start)
+        self._step_shape = None
+
     def _count_acceptance(self, sampled_token_ids) -> None:
         """Per-engine acceptance per draft position (vLLM's own counters are
-        per front end and do not count drafts per position)."""
+        per front end and do not count drafts per position), and per request
+        for the adaptive policy."""
         num_drafts, self._last_num_drafts = self._last_num_drafts, None
         if num_drafts is None:
             return
+        batch = self.runner.input_batch
         for row, k in enumerate(num_drafts):
             if k and row < len(sampled_token_ids):
-                self.stats.count_acceptance(int(k), max(len(sampled_token_ids[row]) - 1, 0))
+                accepted = max(len(sampled_token_ids[row]) - 1, 0)
+                self.stats.count_acceptance(int(k), accepted)
+                if self.controller is not None:
+                    self.controller.observe_round(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0),
+                                                  int(k), accepted)
 
     # -- the round -------------------------------------------------------------
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:

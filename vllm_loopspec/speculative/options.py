@@ -17,7 +17,9 @@ ADDITIONAL_CONFIG_KEY = "loopspec"
 # vLLM's rejection sampler handles at most this many drafts per request.
 MAX_SPECULATIVE_TOKENS = 128
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-ALLOWED_KEYS = {"method", "num_speculative_tokens", "draft_loops", "skip_logprobs_requests"}
+DEFAULT_MAX_SPECULATIVE_TOKENS = 8
+ALLOWED_KEYS = {"method", "num_speculative_tokens", "max_speculative_tokens", "adaptive", "draft_loops",
+                "skip_logprobs_requests"}
 
 
 class LoopSpecConfigError(ValueError):
@@ -27,12 +29,24 @@ class LoopSpecConfigError(ValueError):
 @dataclass(frozen=True)
 class LoopSpecOptions:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
-    """K: tokens drafted per round."""
+    """K: tokens drafted per round when ``adaptive`` is off; with it on, the
+    K of the warm-up steps before the cost model is fitted."""
+    max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
+    """Largest K the adaptive policy may choose (vLLM reserves this many
+    draft slots per request)."""
+    adaptive: bool = True
+    """Choose K per request and step from measured costs and acceptance
+    (:mod:`vllm_loopspec.speculative.policy`); off: always K."""
     draft_loops: int | None = None
-    """d: loops that draft (1 <= d < R). Default: R // 2."""
+    """d: loops that draft (1 <= d < R). Default (or "auto"): R // 2."""
     skip_logprobs_requests: bool = True
     """Requests asking for logprobs decode one token per step (counted as
     skipped) so their logprobs are exactly those of native decoding."""
+
+    @property
+    def draft_slots(self) -> int:
+        """Draft slots per request vLLM must provide: the most K can be."""
+        return self.max_speculative_tokens if self.adaptive else self.num_speculative_tokens
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,6 +91,9 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "checkpoint or choose another speculative method."
         )
     loops = hf_config.total_ut_steps
+    adaptive = raw.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise LoopSpecConfigError(f"loopspec adaptive must be true or false, got {adaptive!r}.")
     k = raw.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     if not _positive_int(k) or k < 1:
         raise LoopSpecConfigError(
@@ -88,10 +105,24 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             f"loopspec num_speculative_tokens={k} exceeds vLLM's rejection sampler "
             f"limit of {MAX_SPECULATIVE_TOKENS}; use a smaller K."
         )
+    k_max = raw.get("max_speculative_tokens", max(k, DEFAULT_MAX_SPECULATIVE_TOKENS))
+    if not _positive_int(k_max) or not k <= k_max <= MAX_SPECULATIVE_TOKENS:
+        raise LoopSpecConfigError(
+            f"loopspec max_speculative_tokens must be an integer with num_speculative_tokens ({k}) <= "
+            f"max_speculative_tokens <= {MAX_SPECULATIVE_TOKENS}, got {k_max!r}; raise it or lower "
+            "num_speculative_tokens."
+        )
+    if "max_speculative_tokens" in raw and not adaptive:
+        raise LoopSpecConfigError(
+            "loopspec max_speculative_tokens bounds the adaptive policy, but \"adaptive\" is false; "
+            "drop max_speculative_tokens or set \"adaptive\": true."
+        )
     d = raw.get("draft_loops", loops // 2)
+    if d == "auto":
+        d = loops // 2
     if not _positive_int(d) or not 1 <= d < loops:
         raise LoopSpecConfigError(
-            f"loopspec draft_loops must be an integer with 1 <= draft_loops < "
+            f"loopspec draft_loops must be \"auto\" or an integer with 1 <= draft_loops < "
             f"total_ut_steps ({loops}), got {d!r}; the remaining loops verify."
         )
     threshold = getattr(hf_config, "early_exit_threshold", 1.0)
@@ -104,4 +135,5 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
     skip = raw.get("skip_logprobs_requests", True)
     if not isinstance(skip, bool):
         raise LoopSpecConfigError(f"loopspec skip_logprobs_requests must be true or false, got {skip!r}.")
-    return LoopSpecOptions(num_speculative_tokens=k, draft_loops=d, skip_logprobs_requests=skip)
+    return LoopSpecOptions(num_speculative_tokens=k, max_speculative_tokens=k_max, adaptive=adaptive,
+                           draft_loops=d, skip_logprobs_requests=skip)

@@ -8,7 +8,13 @@ runner keeps only what vLLM offers no other way into:
   ``SpecDecodeMetadata`` and ``CommonAttentionMetadata``;
 * ``_model_forward``: a step with drafts runs the drafter's round
   (:meth:`LoopSpecDrafter.run_step`) instead of the plain forward;
-* ``_input_fits_in_drafter``: per-request limits are the drafter's business.
+* ``_input_fits_in_drafter``: per-request limits are the drafter's business;
+* ``execute_model`` / ``sample_tokens``: time each step for the adaptive
+  policy (:meth:`LoopSpecDrafter.step_started`).
+
+A step in which no request drafts is vLLM's plain step: ``_prepare_inputs``
+drops its (all-zero) ``SpecDecodeMetadata``, so the plain sampler runs
+instead of the rejection sampler over zero drafts.
 
 Everything else is vLLM's: the drafter is the ``custom_class`` proposer vLLM
 builds and calls (``propose``), then logits at the spec positions, the
@@ -33,9 +39,25 @@ class LoopSpecRunnerMixin:
         self._loopspec_spec_metadata = None
         self._loopspec_common = None
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self.drafter.step_started(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        self.drafter.step_finished()
+        return out
+
     def _prepare_inputs(self, *args, **kwargs):
         out = super()._prepare_inputs(*args, **kwargs)
-        self._loopspec_spec_metadata = out[1]
+        spec_metadata = out[1]
+        if spec_metadata is not None and sum(spec_metadata.num_draft_tokens) == 0:
+            # vLLM builds spec metadata for every step of a speculative
+            # engine; a step without drafts (logits at each request's last
+            # token either way) takes the plain sampler's path.
+            out = (out[0], None, *out[2:])
+            spec_metadata = None
+        self._loopspec_spec_metadata = spec_metadata
         return out
 
     def _build_attention_metadata(self, *args, **kwargs):

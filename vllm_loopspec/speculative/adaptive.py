@@ -1,0 +1,235 @@
+"""The adaptive policy's memory: what the engine measured, fed to
+:func:`vllm_loopspec.speculative.policy.decide` every step.
+
+* **Acceptance** per request and draft position, an exponentially weighted
+  estimate started from the engine-wide estimate of the request's sampling
+  mode (greedy and sampled requests accept differently).
+* **Step costs**, fitted by least squares from the engine's own step timings
+  (model runner from ``execute_model`` to the end of ``sample_tokens``, plus
+  the median gap between steps: the scheduler and output handling). Until
+  both kinds of step have been timed in enough shapes (warm-up), rounds use
+  the configured starting K, cycling through other K and plain steps to
+  sample the shapes; afterwards one step in :data:`EXPLORE_EVERY` tries a
+  neighbour of the decision, so the fit follows a machine that changes.
+* **Width cap** with hysteresis: the smallest width at which the cost model
+  prefers plain steps for a typical request; at or above it every step is
+  plain (no rejection sampler), and speculation re-arms only at or below
+  :func:`~vllm_loopspec.speculative.policy.rearm_width`.
+* **Per-request off switch**: a request the policy gives no drafts for its
+  low acceptance is paused, then re-probed with one draft after a back-off
+  that doubles each time the probe fails.
+
+No constant here is a machine cost; every cost comes from measurement.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, fit_linear, rearm_width, shape_medians,
+                                              width_cap)
+
+ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a few rounds
+REQUEST_WEIGHT = 0.3  # EWMA weight of a request's newest observation
+ENGINE_WEIGHT = 0.05  # EWMA weight for the engine-wide estimate
+WARMUP_PLAIN_SAMPLES = 6
+WARMUP_SPEC_SAMPLES = 12
+EXPLORE_EVERY = 8  # steps
+REFIT_EVERY = 8  # new samples
+SAMPLE_WINDOW = 512
+PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
+
+# Reasons a request decodes one token without drafting (metrics labels).
+SKIP_WIDTH_CAP = "width_cap"
+SKIP_LOW_ACCEPTANCE = "low_acceptance"
+SKIP_COST = "cost_model"
+
+
+@dataclass
+class _RequestState:
+    acceptance: np.ndarray
+    paused_until: int = -1
+    backoff: int = PROBE_BACKOFF[0]
+    probing: bool = False
+
+
+@dataclass
+class StepRecord:
+    """One decision, kept for plots and tests."""
+
+    step: int
+    width: int
+    drafts: tuple[int, ...]
+    reason: str  # "warmup" | "explore" | "policy" | "width_cap"
+
+
+@dataclass
+class AdaptiveController:
+    max_k: int
+    start_k: int
+    max_width: int
+    step: int = 0
+    armed: bool = True
+    cap: int | None = None
+    costs: StepCosts | None = None
+    history: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def __post_init__(self) -> None:
+        self._requests: dict[str, _RequestState] = {}
+        self._engine_acceptance = {mode: np.full(self.max_k, ACCEPTANCE_PRIOR) for mode in (False, True)}
+        self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, seconds)
+        self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, seconds)
+        self._gaps: deque = deque(maxlen=64)
+        self._new_samples = 0
+
+    # -- measurements -------------------------------------------------------------
+    def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
+        """A verified round: drafts ``1..num_accepted`` accepted, the next (if
+        drafted) rejected."""
+        tested = min(num_accepted + 1, num_drafts)
+        outcome = (np.arange(tested) < num_accepted).astype(np.float64)
+        engine = self._engine_acceptance[sampled]
+        engine[:tested] += ENGINE_WEIGHT * (outcome - engine[:tested])
+        state = self._request(req_id, sampled)
+        state.acceptance[:tested] += REQUEST_WEIGHT * (outcome - state.acceptance[:tested])
+        if state.probing:
+            state.probing = False
+
+    def observe_step(self, ticks: int, spec_rows: int, tokens: int, seconds: float) -> None:
+        """A timed engine step (``ticks == 0``: plain)."""
+        if ticks == 0:
+            self._plain.append((tokens, seconds))
+        else:
+            self._spec.append((ticks, spec_rows, tokens, seconds))
+        self._new_samples += 1
+        if self._new_samples >= REFIT_EVERY:
+            self._refit()
+
+    def observe_gap(self, seconds: float) -> None:
+        """Time between the end of one step and the start of the next."""
+        self._gaps.append(seconds)
+
+    def forget(self, live_req_ids) -> None:
+        """Drop the state of requests no longer in the batch."""
+        for req_id in set(self._requests) - set(live_req_ids):
+            del self._requests[req_id]
+
+    # -- decision -----------------------------------------------------------------
+    def plan(self, requests: list[tuple[str, bool, int]], other_tokens: int = 0) -> tuple[list[int], dict[str, int]]:
+        """``K_i`` for ``(req_id, sampled, max_drafts)`` of the next step, and
+        request-steps without drafts counted by reason."""
+        self.step += 1
+        width = len(requests)
+        skipped: dict[str, int] = {}
+        if not requests:
+            return [], skipped
+        if self.costs is None:
+            drafts = self._warmup(requests)
+            self._record(width, drafts, "warmup")
+            return drafts, skipped
+        if self.cap is not None:
+            if self.armed and width >= self.cap:
+                self.armed = False
+            elif not self.armed and width <= rearm_width(self.cap):
+                self.armed = True
+        elif not self.armed:
+            self.armed = True
+        if not self.armed and self.step % (2 * EXPLORE_EVERY) != 0:
+            skipped[SKIP_WIDTH_CAP] = width
+            drafts = [0] * width
+            self._record(width, drafts, "width_cap")
+            return drafts, skipped
+        # (Disarmed, one step in 2 * EXPLORE_EVERY still asks the policy and
+        # explores: the cap stays a measurement, not a belief.)
+
+        probes = []
+        candidates = []
+        for req_id, sampled, limit in requests:
+            state = self._request(req_id, sampled)
+            paused = state.paused_until > self.step
+            probe = not paused and state.paused_until >= 0 and limit > 0
+            probes.append(probe)
+            candidates.append(Candidate(tuple(state.acceptance), 0 if paused or probe else limit))
+        decision = decide(candidates, self.costs, self.max_k, other_tokens)
+        drafts = list(decision.drafts)
+        reason = "policy"
+        if self.step % EXPLORE_EVERY == 0:
+            drafts = self._explore(drafts, [c.max_drafts for c in candidates])
+            reason = "explore"
+        for i, (req_id, _, limit) in enumerate(requests):
+            state = self._requests[req_id]
+            if probes[i]:
+                drafts[i] = 1  # re-probe a paused request with one draft
+                state.paused_until = -1
+                state.probing = True
+            elif state.paused_until > self.step:
+                skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
+            elif drafts[i] == 0 and limit > 0 and any(drafts):
+                # Others draft but this one is not worth a draft: pause it.
+                self._pause(state)
+                skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
+            elif drafts[i] == 0 and limit > 0:
+                skipped[SKIP_COST] = skipped.get(SKIP_COST, 0) + 1
+        self._record(width, drafts, reason)
+        return drafts, skipped
+
+    def typical_acceptance(self) -> np.ndarray:
+        """Engine-wide acceptance for the width cap: the greedy estimate."""
+        return self._engine_acceptance[False]
+
+    # -- internals ----------------------------------------------------------------
+    def _request(self, req_id: str, sampled: bool) -> _RequestState:
+        state = self._requests.get(req_id)
+        if state is None:
+            state = _RequestState(self._engine_acceptance[sampled].copy())
+            self._requests[req_id] = state
+        return state
+
+    def _pause(self, state: _RequestState) -> None:
+        state.paused_until = self.step + state.backoff
+        state.backoff = min(state.backoff * 2, PROBE_BACKOFF[1])
+
+    def _warmup(self, requests) -> list[int]:
+        """Before the cost model exists: the configured K, with every fourth
+        step plain and the K of the others cycling, so that the fit sees
+        both kinds of step in several shapes."""
+        phase = self.step % 4
+        if phase == 0:
+            return [0] * len(requests)
+        k = (self.start_k, 1, self.max_k)[phase - 1]
+        return [min(k, limit) for _, _, limit in requests]
+
+    def _explore(self, drafts: list[int], limits: list[int]) -> list[int]:
+        """A neighbour of the decision: one draft more, one fewer, or plain,
+        in turn."""
+        turn = (self.step // EXPLORE_EVERY) % 3
+        if turn == 2 or not any(limits):
+            return [0] * len(drafts)
+        k = max(drafts) if any(drafts) else 0
+        k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
+        return [min(k, limit) for limit in limits]
+
+    def _refit(self) -> None:
+        self._new_samples = 0
+        gap = float(np.median(self._gaps)) if self._gaps else 0.0
+        plain = np.array(self._plain, dtype=np.float64).reshape(-1, 2)
+        spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
+        if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
+            return
+        shapes, seconds, counts = shape_medians(plain)
+        plain_coef = fit_linear(np.column_stack([np.ones(len(shapes)), shapes[:, 0]]), seconds, counts)
+        shapes, seconds, counts = shape_medians(spec)
+        ticks, rows, tokens = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+        spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens]), seconds, counts)
+        if plain_coef is None or spec_coef is None:
+            return
+        plain_coef[0] += gap
+        spec_coef[0] += gap
+        self.costs = StepCosts(plain=tuple(float(c) for c in plain_coef), spec=tuple(float(c) for c in spec_coef))
+        self.cap = width_cap(self.costs, self.typical_acceptance(), self.max_k, self.max_width)
+
+    def _record(self, width: int, drafts: list[int], reason: str) -> None:
+        self.history.append(StepRecord(self.step, width, tuple(drafts), reason))

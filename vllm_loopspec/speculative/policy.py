@@ -1,0 +1,205 @@
+"""How much to speculate in the next step: a pure decision from measured costs.
+
+The core is :func:`decide`: for the requests of the next step (each with its
+estimated acceptance per draft position and the drafts its budget allows) and
+the engine's step costs (:class:`StepCosts`, fitted from its own timings),
+it returns ``K_i`` per request that maximises expected committed tokens per
+second (DESIGN.md §4, general form):
+
+    plain step    T = s_p + t_p·tokens                 commits 1 per request
+    loopspec step T = s_s + c_k·K + c_r·K·B_s + t_s·tokens
+                                                        commits 1 + Σ_j Π_{i≤j} a_i
+
+``K`` is the step's number of draft ticks (the largest ``K_i``), ``B_s`` the
+rows that draft, ``tokens`` every scheduled token (drafts are verified rows).
+``K = 0`` everywhere is vLLM's plain step. Nothing here touches an engine:
+:mod:`vllm_loopspec.speculative.adaptive` feeds it measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding request as the policy sees it for the next step."""
+
+    acceptance: tuple[float, ...]
+    """Estimated probability that draft ``j`` is accepted given drafts
+    ``1..j-1`` were (index ``j-1``)."""
+    max_drafts: int
+    """Drafts the request may make (budget, context, options); 0: none."""
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per engine step, linear in the step's shape."""
+
+    plain: tuple[float, float]
+    """``(s_p, t_p)``: intercept, per scheduled token."""
+    spec: tuple[float, float, float, float]
+    """``(s_s, c_k, c_r, t_s)``: intercept, per draft tick, per drafting row
+    and tick, per scheduled token."""
+
+    def plain_step(self, tokens: int) -> float:
+        s, t = self.plain
+        return s + t * tokens
+
+    def spec_step(self, ticks: int, spec_rows: int, tokens: int) -> float:
+        s, c_k, c_r, t = self.spec
+        return s + c_k * ticks + c_r * ticks * spec_rows + t * tokens
+
+
+@dataclass(frozen=True)
+class Decision:
+    drafts: tuple[int, ...]
+    """``K_i`` per candidate (all 0: a plain step)."""
+    rate: float
+    """Expected committed tokens per second of the chosen step."""
+    plain_rate: float
+    """The same for a plain step, for comparison."""
+
+    @property
+    def plain(self) -> bool:
+        return not any(self.drafts)
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """Committed tokens of a round with ``k`` drafts: ``1 + Σ_j Π_{i≤j} a_i``."""
+    reach = np.cumprod(np.asarray(acceptance[:k], dtype=np.float64))
+    return 1.0 + float(reach.sum())
+
+
+def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0) -> Decision:
+    """``K_i`` per candidate for the next step. ``other_tokens``: scheduled
+    tokens that commit nothing this step (prefill chunks). Every number of
+    draft ticks ``1..max_k`` is evaluated at once (one row per choice)."""
+    n = len(candidates)
+    plain_rate = n / max(costs.plain_step(n + other_tokens), 1e-9)
+    plain = Decision(tuple([0] * n), plain_rate, plain_rate)
+    if n == 0 or max_k < 1:
+        return plain
+    reach = _reach_matrix(candidates, max_k)
+    gains = np.concatenate([np.zeros((n, 1)), np.cumsum(reach, axis=1)], axis=1)  # gains[i, k]
+    limits = np.array([min(max(c.max_drafts, 0), max_k) for c in candidates], dtype=np.int64)
+    drafts = np.minimum(limits[None, :], np.arange(1, max_k + 1)[:, None])  # [choice, request]
+    drafts = _trim(drafts, reach, gains, costs, other_tokens)
+    rates = _rates(drafts, gains, costs, other_tokens)
+    best = int(np.argmax(rates))
+    if rates[best] <= plain_rate or not drafts[best].any():
+        return plain
+    return Decision(tuple(int(x) for x in drafts[best]), float(rates[best]), plain_rate)
+
+
+def width_cap(costs: StepCosts, acceptance: Sequence[float], max_k: int, max_width: int) -> int | None:
+    """The smallest batch width at which a batch of requests with this
+    acceptance decodes faster plainly (None: speculation pays at every width
+    up to ``max_width``)."""
+    if max_k < 1:
+        return 1
+    widths = np.arange(1, max_width + 1, dtype=np.float64)
+    reach = _reach_matrix([Candidate(tuple(acceptance), max_k)], max_k)[0]
+    plain = widths / np.maximum(costs.plain[0] + costs.plain[1] * widths, 1e-9)
+    best_spec = np.zeros_like(widths)
+    for k in range(1, max_k + 1):
+        s, c_k, c_r, t = costs.spec
+        seconds = s + c_k * k + c_r * k * widths + t * widths * (1 + k)
+        best_spec = np.maximum(best_spec, widths * (1.0 + reach[:k].sum()) / np.maximum(seconds, 1e-9))
+    losing = np.nonzero(best_spec <= plain)[0]
+    return int(widths[losing[0]]) if len(losing) else None
+
+
+def rearm_width(cap: int) -> int:
+    """Width at or below which speculation re-arms after the cap turned it
+    off: a quarter below the cap (at least one row), so that a batch
+    hovering at the cap does not flip every step."""
+    return max(1, cap - max(1, cap // 4))
+
+
+# -- internals ------------------------------------------------------------------
+
+def _reach_matrix(candidates: Sequence[Candidate], max_k: int) -> np.ndarray:
+    """``reach[i, j]``: probability that request i's draft j+1 is accepted
+    (all earlier ones were). Estimates shorter than ``max_k`` repeat their
+    last value."""
+    rows = [c.acceptance[:max_k] for c in candidates]
+    if any(len(a) < max_k for a in rows):
+        rows = [tuple(a) + (a[-1] if len(a) else 0.0,) * (max_k - len(a)) for a in rows]
+    return np.cumprod(np.clip(np.array(rows, dtype=np.float64), 0.0, 1.0), axis=1)
+
+
+def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens: int) -> np.ndarray:
+    """Expected committed tokens per second of each row of ``drafts``
+    (``[choice, request]``)."""
+    n = drafts.shape[1]
+    committed = n + gains[np.arange(n)[None, :], drafts].sum(axis=1)
+    ticks = drafts.max(axis=1)
+    tokens = n + other_tokens + drafts.sum(axis=1)
+    s, c_k, c_r, t = costs.spec
+    seconds = np.where(ticks > 0, s + c_k * ticks + c_r * ticks * (drafts > 0).sum(axis=1) + t * tokens,
+                       costs.plain[0] + costs.plain[1] * tokens)
+    return committed / np.maximum(seconds, 1e-9)
+
+
+def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepCosts,
+          other_tokens: int) -> np.ndarray:
+    """Drop drafts that cost more than they bring at the step's rate: a tail
+    draft worth ``reach`` tokens costs its verification ``t_s``; a row's
+    whole share costs ``c_r`` per draft tick (every drafting row runs every
+    tick) plus ``t_s`` per draft. Repeated until stable (dropping drafts
+    raises the rate). ``reach`` falls along each row, so the drafts kept
+    are a prefix."""
+    _, _, per_row_tick, per_token = (max(c, 0.0) for c in costs.spec)
+    rows = np.arange(drafts.shape[1])[None, :]
+    for _ in range(3):
+        rate = _rates(drafts, gains, costs, other_tokens)[:, None]
+        worth = (reach[None, :, :] >= rate[:, :, None] * per_token).sum(axis=2)
+        kept = np.minimum(drafts, worth)
+        row_cost = per_row_tick * kept.max(axis=1, keepdims=True) + per_token * kept
+        kept = np.where(gains[rows, kept] < rate * row_cost, 0, kept)
+        if (kept == drafts).all():
+            break
+        drafts = kept
+    return drafts
+
+
+def fit_linear(features: np.ndarray, seconds: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray | None:
+    """Weighted least squares with non-negative coefficients (a cost cannot
+    shrink as a step grows): features with a negative fit are dropped and
+    the rest refitted. A slight ridge splits the cost between features the
+    samples cannot tell apart (at one batch width, draft ticks and drafting
+    rows move together) instead of giving it all to one. None without
+    two distinct samples."""
+    if features.shape[0] < 2:
+        return None
+    w = np.sqrt(weights if weights is not None else np.ones(len(seconds)))
+    scale = np.linalg.norm(features, axis=0)
+    scale[scale == 0] = 1.0
+    x = features / scale * w[:, None]
+    y = seconds * w
+    active = list(range(features.shape[1]))
+    coef = np.zeros(features.shape[1])
+    while active:
+        xa = x[:, active]
+        ridge = 1e-4 * np.eye(len(active))
+        sol = np.linalg.solve(xa.T @ xa + ridge, xa.T @ y)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol / scale[active]
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def shape_medians(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Median seconds per distinct step shape (the columns before the last)
+    and the number of samples of each: timings on a shared machine have
+    outliers a mean would follow."""
+    shapes, inverse, counts = np.unique(samples[:, :-1], axis=0, return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(-1)
+    medians = np.array([np.median(samples[inverse == i, -1]) for i in range(len(shapes))])
+    return shapes, medians, counts.astype(np.float64)
