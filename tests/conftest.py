@@ -94,16 +94,18 @@ def make_llm(checkpoint, speculative_config=None, **overrides):
 @pytest.fixture(scope="session")
 def loopspec_llms(tiny_checkpoint):
     """loopspec engines on the tiny checkpoint, built on first use and shared:
-    ``loopspec_llms(K, d=2)``."""
+    ``loopspec_llms(K, d=2)`` drafts K tokens every round (``"adaptive":
+    false``); ``loopspec_llms(K, d, adaptive=True)`` runs the adaptive policy
+    (K for its warm-up, at most 8)."""
     engines = {}
 
-    def get(k: int, d: int = 2):
-        if (k, d) not in engines:
-            engines[(k, d)] = make_llm(
+    def get(k: int, d: int = 2, adaptive: bool = False):
+        if (k, d, adaptive) not in engines:
+            engines[(k, d, adaptive)] = make_llm(
                 tiny_checkpoint,
-                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d},
+                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive},
             )
-        return engines[(k, d)]
+        return engines[(k, d, adaptive)]
 
     yield get
     engines.clear()

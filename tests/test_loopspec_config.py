@@ -32,14 +32,22 @@ def _config(ckpt, spec, **kw):
 
 
 def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
-    for spec, k, d in [({"method": "loopspec"}, 4, 2),
-                       ({"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 3}, 8, 3),
-                       ("loopspec", 4, 2)]:
+    """vLLM reserves the most drafts a round can make: K when the policy is
+    pinned, max_speculative_tokens (default 8) when it adapts."""
+    for spec, slots, d, adaptive in [
+            ({"method": "loopspec"}, 8, 2, True),
+            ({"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 3}, 8, 3, True),
+            ({"method": "loopspec", "num_speculative_tokens": 12}, 12, 2, True),
+            ({"method": "loopspec", "num_speculative_tokens": 2, "max_speculative_tokens": 6}, 6, 2, True),
+            ({"method": "loopspec", "num_speculative_tokens": 4, "adaptive": False}, 4, 2, False),
+            ({"method": "loopspec", "draft_loops": "auto"}, 8, 2, True),
+            ("loopspec", 8, 2, True)]:
         cfg = _config(tiny_checkpoint, spec)
         assert cfg.speculative_config.method == "custom_class"
         assert cfg.speculative_config.model == EXPECTED_DRAFTER
-        assert cfg.speculative_config.num_speculative_tokens == k
+        assert cfg.speculative_config.num_speculative_tokens == slots
         assert cfg.additional_config["loopspec"]["draft_loops"] == d
+        assert cfg.additional_config["loopspec"]["adaptive"] is adaptive
         assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
 
 
@@ -65,6 +73,13 @@ def test_cli_parses_bare_word():
         ({"method": "loopspec", "num_speculative_tokens": 0}, {}, "num_speculative_tokens must be an integer >= 1"),
         ({"method": "loopspec", "num_speculative_tokens": 129}, {}, "exceeds vLLM's rejection sampler limit"),
         ({"method": "loopspec", "draft_loops": 4}, {}, "1 <= draft_loops < total_ut_steps (4)"),
+        ({"method": "loopspec", "draft_loops": "deep"}, {}, 'must be "auto" or an integer'),
+        ({"method": "loopspec", "adaptive": "yes"}, {}, "adaptive must be true or false"),
+        ({"method": "loopspec", "num_speculative_tokens": 6, "max_speculative_tokens": 4}, {},
+         "num_speculative_tokens (6) <= max_speculative_tokens"),
+        ({"method": "loopspec", "max_speculative_tokens": 129}, {}, "max_speculative_tokens <= 128"),
+        ({"method": "loopspec", "adaptive": False, "max_speculative_tokens": 8}, {},
+         "drop max_speculative_tokens or set \"adaptive\": true"),
         ({"method": "loopspec", "draft_loops": 0}, {}, "1 <= draft_loops < total_ut_steps (4)"),
         ({"method": "loopspec", "K": 4}, {}, "unknown loopspec option(s) ['K']"),
         ({"method": "loopspec"}, {"async_scheduling": True}, "remove --async-scheduling"),

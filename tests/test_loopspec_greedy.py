@@ -1,5 +1,6 @@
 """Greedy loopspec is exact: token for token equal to native decoding, with
-every loop doing K+1 rows per round and drafts both accepted and rejected."""
+every loop doing K+1 rows per round and drafts both accepted and rejected,
+for fixed K and for every decision the adaptive policy makes."""
 
 import pytest
 from vllm import SamplingParams
@@ -9,6 +10,13 @@ from engine_access import observe_loops, model_runner
 from prompts import MEDIUM, SHORT, long_prompt
 
 KS = [1, 2, 4, 8]
+# The adaptive policy (warm-up K 4, at most 8): plain steps, K from 1 to 8,
+# per-request K_i, explored and fitted decisions.
+ADAPTIVE = "adaptive"
+
+
+def engine(loopspec_llms, k):
+    return loopspec_llms(4, adaptive=True) if k == ADAPTIVE else loopspec_llms(k)
 # Budgets that end inside a round for every K above (not 1 + multiples of K+1).
 BUDGETS = [7, 13, 30]
 
@@ -36,9 +44,9 @@ def native_reference(native_llm, prompts):
     return ref
 
 
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", KS + [ADAPTIVE])
 def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
-    llm = loopspec_llms(k)
+    llm = engine(loopspec_llms, k)
     for budget in BUDGETS:
         for start in range(0, len(prompts), 8):
             batch = prompts[start : start + 8]
@@ -48,9 +56,9 @@ def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
                 assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, budget, p[:40])
 
 
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", KS + [ADAPTIVE])
 def test_width_1_equals_native(loopspec_llms, prompts, native_reference, k):
-    llm = loopspec_llms(k)
+    llm = engine(loopspec_llms, k)
     for p in [prompts[0], prompts[8], prompts[10], prompts[11]]:  # short, medium, two chunked
         for budget in BUDGETS:
             out = llm.generate([p], SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
@@ -103,3 +111,20 @@ def test_every_loop_processes_k_plus_1_rows_per_round(loopspec_llms, tokenizer):
     totals = [sum(spec_calls[u]) for u in range(loops)]
     assert totals == [totals[0]] * loops
     assert sum(round_sizes) <= totals[0]
+
+
+def test_adaptive_decisions_are_varied_and_exact(loopspec_llms, prompts, native_reference):
+    """The adaptive rows of the matrix above are not vacuous: over a workload
+    at widths 8 and 1 the policy makes plain steps, several K, fitted (not
+    only warm-up) decisions, and every output is still native's."""
+    llm = engine(loopspec_llms, ADAPTIVE)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for batch in (prompts[:8], prompts[8:16], [prompts[0]], [prompts[9]], [prompts[3]]):
+        for p, o in zip(batch, llm.generate(batch, params, use_tqdm=False)):
+            assert list(o.outputs[0].token_ids) == native_reference[(p, 30)], p[:40]
+    controller = model_runner(llm).drafter.controller
+    ticks = {max(r.drafts, default=0) for r in controller.history}
+    reasons = {r.reason for r in controller.history}
+    assert controller.costs is not None, "the cost model was never fitted"
+    assert 0 in ticks and len(ticks - {0}) >= 3, ticks
+    assert {"warmup", "policy", "explore"} <= reasons, reasons

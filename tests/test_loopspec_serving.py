@@ -169,18 +169,33 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     assert sum(stats.drafted_per_pos) == stats.drafted_tokens
 
 
-def test_unverifiable_sampler_features_are_refused_per_request(loopspec_llms):
-    """vLLM's rejection sampler cannot apply logit_bias or min_p to the target,
-    and vLLM refuses such requests when speculation is on, with a message;
-    the engine keeps serving."""
+def test_unverifiable_sampler_features_are_decoded_plainly(loopspec_llms, native_llm):
+    """vLLM's rejection sampler cannot apply logit_bias or min_p to the target
+    (vLLM refuses them with any other speculative method): loopspec serves
+    them without drafts, beside requests that speculate. Greedy ones equal
+    native; a min_p request samples only tokens min_p allows; the engine
+    counts them by reason."""
     llm = loopspec_llms(K)
-    for params in (SamplingParams(max_tokens=4, temperature=0, logit_bias={5: 3.0}),
-                   SamplingParams(max_tokens=4, temperature=1.0, min_p=0.2)):
-        with pytest.raises(Exception, match="not yet supported with speculative decoding"):
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    stats = model_runner(llm).drafter.stats
+    before = dict(stats.skipped)
+    rounds = stats.rounds
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11, 12]}]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for biased in (SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={5: 3.0, 17: -100.0}),
+                   SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, min_p=0.3)):
+        got = llm.generate(prompts, [biased, plain], use_tqdm=False)
+        want = native_llm.generate(prompts, [biased, plain], use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+    assert stats.skipped["logit_bias"] - before.get("logit_bias", 0) > 0
+    assert stats.rounds > rounds  # the plain neighbour speculated meanwhile
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, min_p=0.9, seed=3, ignore_eos=True)
+    out = llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0]
+    # min_p=0.9 keeps only tokens within 90% of the top probability: with
+    # the tiny model's flat distributions that is (almost always) the argmax.
+    ref = native_llm.generate(prompts[:1], sampled, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == list(ref.token_ids)
+    # (Greedy requests carry no min_p: vLLM drops it; sampled ones skip.)
+    assert stats.skipped["min_p"] - before.get("min_p", 0) > 0
 
 
 def test_k_shrinks_at_the_context_limit(loopspec_llms, native_llm, tokenizer):

@@ -36,6 +36,10 @@ SERVED = [
     ("top_k_top_p", "/v1/completions", {**FATAL, "top_p": 0.9}),
     ("top_k_choice", "/v1/completions", {**FATAL, "structured_outputs": {"choice": ["yes", "no"]}}),
     ("token_id_prompt", "/v1/completions", {**FATAL, "prompt": [464, 288, 81]}),
+    # vLLM refuses these with any other speculative method; loopspec decodes
+    # them one token per step (their sampling cannot be verified).
+    ("min_p_with_speculation", "/v1/completions", {**FATAL, "min_p": 0.1}),
+    ("logit_bias_with_speculation", "/v1/completions", {**FATAL, "logit_bias": {"5": 3.0}}),
     ("chat_top_k_only", "/v1/chat/completions", {**CHAT, "temperature": 0.9, "top_k": 20}),
     ("chat_top_k_streamed", "/v1/chat/completions", {**CHAT, "temperature": 0.9, "top_k": 20, "stream": True}),
     ("chat_top_k_n2_seeded", "/v1/chat/completions", {**CHAT, "temperature": 0.9, "top_k": 20, "n": 2, "seed": 1}),
@@ -60,8 +64,6 @@ REFUSED = [
     ("missing_prompt", "/v1/completions", {"max_tokens": 3}),
     ("out_of_vocab_prompt", "/v1/completions", {**FATAL, "prompt": [600, 700]}),
     ("logprobs_far_too_high", "/v1/completions", {**FATAL, "logprobs": 1000}),
-    ("min_p_with_speculation", "/v1/completions", {**FATAL, "min_p": 0.1}),
-    ("logit_bias_with_speculation", "/v1/completions", {**FATAL, "logit_bias": {"5": 3.0}}),
     ("invalid_regex", "/v1/completions", {**FATAL, "structured_outputs": {"regex": "(["}}),
     ("not_json", "/v1/completions", b"{not json"),
     ("empty_body", "/v1/completions", b""),

@@ -24,10 +24,11 @@ patches, numbered in the comments and docstrings below:
    ``CPUWorker.init_device``, which builds its runner from that module
    global (:func:`cpu_worker_builds`; the GPU worker has a method to override).
 
-Patches 1, 2 and 7 are needed in every process (front end and engines);
+Patches 1, 2, 7 and 9 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
 method (ngram, suffix and native decoding hit them too); 8 is used only by
-the loopspec CPU worker. The worker classes themselves are vLLM's documented
+the loopspec CPU worker; 9 and 10 change behaviour only for loopspec
+engines (other speculative methods keep vLLM's refusal). The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -338,6 +339,55 @@ def cpu_worker_builds(runner_class):
         cpu_worker.CPUModelRunner = original
 
 
+def is_loopspec_engine(speculative_config) -> bool:
+    """Whether vLLM's speculative config is loopspec's (after patch 2)."""
+    return (speculative_config is not None and getattr(speculative_config, "method", None) == "custom_class"
+            and getattr(speculative_config, "model", None) in (DRAFTER_CLASS, DEBUG_DRAFTER_CLASS))
+
+
+def serve_unverifiable_sampling() -> None:
+    """Patches 9 and 10 — ``vllm.sampling_params.SamplingParams._validate_spec_decode``
+    and ``vllm.v1.worker.gpu_model_runner.build_logitsprocs``.
+
+    vLLM's rejection sampler cannot apply ``min_p`` or ``logit_bias`` to the
+    target distribution, so vLLM refuses such requests whenever speculation
+    is on and builds no min-p / logit-bias processors in speculative runners.
+    loopspec gives such a request no drafts (the drafter's ``num_drafts``):
+    its token comes from vLLM's own sampler, as the bonus token of a step
+    with drafts (``RejectionSampler`` samples it with ``Sampler``, which
+    applies every logits processor) or from a plain step. So a loopspec
+    engine accepts the request (9) and its runner builds the built-in
+    processors as a non-speculative runner does (10). Custom logits
+    processors are still refused, as vLLM does for every speculative
+    engine."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker import gpu_model_runner
+
+    validate = SamplingParams._validate_spec_decode
+    if getattr(validate, "_loopspec_original", None) is None:
+        def _validate_spec_decode(self, speculative_config):
+            if is_loopspec_engine(speculative_config):
+                return None
+            return validate(self, speculative_config)
+
+        _validate_spec_decode._loopspec_original = validate
+        SamplingParams._validate_spec_decode = _validate_spec_decode
+
+    build = gpu_model_runner.build_logitsprocs
+    if getattr(build, "_loopspec_original", None) is None:
+        def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
+            if is_loopspec_engine(vllm_config.speculative_config) and not is_pooling_model \
+                    and not custom_logitsprocs:
+                from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+                return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                        for ctor in BUILTIN_LOGITS_PROCESSORS)
+            return build(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+
+        build_logitsprocs._loopspec_original = build
+        gpu_model_runner.build_logitsprocs = build_logitsprocs
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
@@ -345,6 +395,7 @@ def apply() -> None:
         return
     guard_kernel_rebind_scan()
     fix_top_k_only_on_empty_batch()
+    serve_unverifiable_sampling()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 

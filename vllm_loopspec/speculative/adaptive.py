@@ -11,10 +11,12 @@
   the configured starting K, cycling through other K and plain steps to
   sample the shapes; afterwards one step in :data:`EXPLORE_EVERY` tries a
   neighbour of the decision, so the fit follows a machine that changes.
-* **Width cap** with hysteresis: the smallest width at which the cost model
-  prefers plain steps for a typical request; at or above it every step is
-  plain (no rejection sampler), and speculation re-arms only at or below
-  :func:`~vllm_loopspec.speculative.policy.rearm_width`.
+* **Width cap** with hysteresis: when the policy has chosen plain steps
+  :data:`DISARM_AFTER` times in a row, the width it did so at becomes the
+  cap and every step is plain (vLLM's plain step, no rejection sampler, no
+  policy work) until the batch narrows to
+  :func:`~vllm_loopspec.speculative.policy.rearm_width` of the cap, or a
+  periodic probe finds speculation paying again at the current width.
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
@@ -29,15 +31,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, fit_linear, rearm_width, shape_medians,
-                                              width_cap)
+from vllm_loopspec.speculative.policy import Candidate, StepCosts, decide, fit_linear, rearm_width, shape_medians
 
 ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a few rounds
-REQUEST_WEIGHT = 0.3  # EWMA weight of a request's newest observation
-ENGINE_WEIGHT = 0.05  # EWMA weight for the engine-wide estimate
+# Weight of the newest observation: a running mean over the first 1/w
+# observations of a position, then an exponentially weighted one.
+REQUEST_WEIGHT = 0.1
+ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
 EXPLORE_EVERY = 8  # steps
+DISARM_AFTER = 4  # consecutive plain decisions
 REFIT_EVERY = 8  # new samples
 SAMPLE_WINDOW = 512
 PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
@@ -49,8 +53,38 @@ SKIP_COST = "cost_model"
 
 
 @dataclass
+class _Estimate:
+    """Conditional acceptance per draft position, exponentially weighted.
+    A position never drafted yet reads as the last position that was (the
+    chain's tail is untested, not worse)."""
+
+    values: np.ndarray
+    seen: np.ndarray
+
+    @classmethod
+    def prior(cls, k: int) -> "_Estimate":
+        return cls(np.full(k, ACCEPTANCE_PRIOR), np.zeros(k, dtype=np.int64))
+
+    def copy(self) -> "_Estimate":
+        return _Estimate(self.values.copy(), self.seen.copy())
+
+    def update(self, outcome: np.ndarray, weight: float) -> None:
+        n = len(outcome)
+        self.seen[:n] += 1
+        step = np.maximum(1.0 / self.seen[:n], weight)
+        self.values[:n] += step * (outcome - self.values[:n])
+
+    def read(self) -> tuple[float, ...]:
+        out = self.values.copy()
+        for j in range(1, len(out)):
+            if not self.seen[j]:
+                out[j] = out[j - 1]
+        return tuple(out)
+
+
+@dataclass
 class _RequestState:
-    acceptance: np.ndarray
+    acceptance: _Estimate
     paused_until: int = -1
     backoff: int = PROBE_BACKOFF[0]
     probing: bool = False
@@ -70,16 +104,16 @@ class StepRecord:
 class AdaptiveController:
     max_k: int
     start_k: int
-    max_width: int
     step: int = 0
     armed: bool = True
     cap: int | None = None
     costs: StepCosts | None = None
+    plain_streak: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=4096))
 
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
-        self._engine_acceptance = {mode: np.full(self.max_k, ACCEPTANCE_PRIOR) for mode in (False, True)}
+        self._engine_acceptance = {mode: _Estimate.prior(self.max_k) for mode in (False, True)}
         self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, seconds)
         self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, seconds)
         self._gaps: deque = deque(maxlen=64)
@@ -91,10 +125,9 @@ class AdaptiveController:
         drafted) rejected."""
         tested = min(num_accepted + 1, num_drafts)
         outcome = (np.arange(tested) < num_accepted).astype(np.float64)
-        engine = self._engine_acceptance[sampled]
-        engine[:tested] += ENGINE_WEIGHT * (outcome - engine[:tested])
+        self._engine_acceptance[sampled].update(outcome, ENGINE_WEIGHT)
         state = self._request(req_id, sampled)
-        state.acceptance[:tested] += REQUEST_WEIGHT * (outcome - state.acceptance[:tested])
+        state.acceptance.update(outcome, REQUEST_WEIGHT)
         if state.probing:
             state.probing = False
 
@@ -130,21 +163,16 @@ class AdaptiveController:
             drafts = self._warmup(requests)
             self._record(width, drafts, "warmup")
             return drafts, skipped
-        if self.cap is not None:
-            if self.armed and width >= self.cap:
-                self.armed = False
-            elif not self.armed and width <= rearm_width(self.cap):
-                self.armed = True
-        elif not self.armed:
-            self.armed = True
+        if not self.armed and width <= rearm_width(self.cap):
+            self.armed, self.cap = True, None
         if not self.armed and self.step % (2 * EXPLORE_EVERY) != 0:
             skipped[SKIP_WIDTH_CAP] = width
             drafts = [0] * width
             self._record(width, drafts, "width_cap")
             return drafts, skipped
-        # (Disarmed, one step in 2 * EXPLORE_EVERY still asks the policy and
-        # explores: the cap stays a measurement, not a belief.)
-
+        # (Disarmed, one step in 2 * EXPLORE_EVERY asks the policy: if
+        # speculation pays again at this width it re-arms, otherwise the step
+        # is a one-draft round that measures what a round costs this wide.)
         probes = []
         candidates = []
         for req_id, sampled, limit in requests:
@@ -152,10 +180,20 @@ class AdaptiveController:
             paused = state.paused_until > self.step
             probe = not paused and state.paused_until >= 0 and limit > 0
             probes.append(probe)
-            candidates.append(Candidate(tuple(state.acceptance), 0 if paused or probe else limit))
+            candidates.append(Candidate(state.acceptance.read(), 0 if paused or probe else limit))
         decision = decide(candidates, self.costs, self.max_k, other_tokens)
         drafts = list(decision.drafts)
         reason = "policy"
+        if not self.armed:
+            if decision.plain:
+                drafts = [min(1, c.max_drafts) for c in candidates]
+                self._record(width, drafts, "explore")
+                return drafts, skipped
+            self.armed, self.cap = True, None
+        eligible = any(c.max_drafts for c in candidates)
+        self.plain_streak = self.plain_streak + 1 if decision.plain and eligible else 0
+        if self.plain_streak >= DISARM_AFTER:
+            self.armed, self.cap, self.plain_streak = False, width, 0
         if self.step % EXPLORE_EVERY == 0:
             drafts = self._explore(drafts, [c.max_drafts for c in candidates])
             reason = "explore"
@@ -175,10 +213,6 @@ class AdaptiveController:
                 skipped[SKIP_COST] = skipped.get(SKIP_COST, 0) + 1
         self._record(width, drafts, reason)
         return drafts, skipped
-
-    def typical_acceptance(self) -> np.ndarray:
-        """Engine-wide acceptance for the width cap: the greedy estimate."""
-        return self._engine_acceptance[False]
 
     # -- internals ----------------------------------------------------------------
     def _request(self, req_id: str, sampled: bool) -> _RequestState:
@@ -219,17 +253,24 @@ class AdaptiveController:
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
             return
-        shapes, seconds, counts = shape_medians(plain)
-        plain_coef = fit_linear(np.column_stack([np.ones(len(shapes)), shapes[:, 0]]), seconds, counts)
         shapes, seconds, counts = shape_medians(spec)
         ticks, rows, tokens = shapes[:, 0], shapes[:, 1], shapes[:, 2]
         spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens]), seconds, counts)
+        shapes, seconds, counts = shape_medians(plain)
+        if len(shapes) >= 2:
+            plain_coef = fit_linear(np.column_stack([np.ones(len(shapes)), shapes[:, 0]]), seconds, counts)
+        elif spec_coef is not None:
+            # One plain shape only (decode steps of one width, no prefill
+            # seen): its per-token cost is the rounds' per-token cost.
+            per_token = spec_coef[3]
+            plain_coef = np.array([max(seconds[0] - per_token * shapes[0, 0], 0.0), per_token])
+        else:
+            plain_coef = None
         if plain_coef is None or spec_coef is None:
             return
         plain_coef[0] += gap
         spec_coef[0] += gap
         self.costs = StepCosts(plain=tuple(float(c) for c in plain_coef), spec=tuple(float(c) for c in spec_coef))
-        self.cap = width_cap(self.costs, self.typical_acceptance(), self.max_k, self.max_width)
 
     def _record(self, width: int, drafts: list[int], reason: str) -> None:
         self.history.append(StepRecord(self.step, width, tuple(drafts), reason))

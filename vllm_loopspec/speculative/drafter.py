@@ -66,7 +66,6 @@ class LoopSpecDrafter:
             self.controller = AdaptiveController(
                 max_k=self.options.max_speculative_tokens,
                 start_k=self.options.num_speculative_tokens,
-                max_width=vllm_config.scheduler_config.max_num_seqs,
             )
         self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
         self._step_start = 0.0

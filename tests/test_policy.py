@@ -1,0 +1,165 @@
+"""The adaptive policy without an engine: decisions on synthetic
+measurements (issue 13)."""
+
+import numpy as np
+import pytest
+
+from vllm_loopspec.speculative.adaptive import (EXPLORE_EVERY, SKIP_LOW_ACCEPTANCE, SKIP_WIDTH_CAP,
+                                                AdaptiveController)
+from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_tokens, fit_linear,
+                                              rearm_width, shape_medians, width_cap)
+
+# A CPU-like engine: a step costs mostly its fixed overhead; a draft tick a
+# fraction of it; rows are cheap until the batch is wide.
+CPU_LIKE = StepCosts(plain=(0.005, 0.0002), spec=(0.006, 0.0012, 0.0002, 0.0002))
+HIGH = (0.9,) * 8
+LOW = (0.2,) * 8
+
+
+def ks(decision):
+    return list(decision.drafts)
+
+
+def test_expected_tokens_is_one_plus_the_acceptance_chain():
+    assert expected_tokens((0.5, 0.5, 0.5), 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens((1.0, 0.0, 1.0), 3) == pytest.approx(2.0)
+
+
+def test_higher_acceptance_drafts_more():
+    high = decide([Candidate(HIGH, 8)], CPU_LIKE, 8)
+    mid = decide([Candidate((0.6,) * 8, 8)], CPU_LIKE, 8)
+    assert max(ks(high)) > max(ks(mid)) > 0
+    assert high.rate > high.plain_rate
+
+
+def test_expensive_draft_ticks_draft_less():
+    cheap = decide([Candidate(HIGH, 8)], CPU_LIKE, 8)
+    dear = decide([Candidate(HIGH, 8)], StepCosts(CPU_LIKE.plain, (0.006, 0.003, 0.0002, 0.0002)), 8)
+    assert 0 < max(ks(dear)) < max(ks(cheap))
+
+
+def test_decision_respects_each_request_limit_and_the_bound():
+    d = decide([Candidate(HIGH, 8), Candidate(HIGH, 2), Candidate(HIGH, 0)], CPU_LIKE, 5)
+    assert ks(d)[1] <= 2 and ks(d)[2] == 0 and max(ks(d)) <= 5
+
+
+def test_worthless_row_gets_no_drafts_beside_good_ones():
+    d = decide([Candidate(HIGH, 8)] * 3 + [Candidate((0.01,) * 8, 8)], CPU_LIKE, 8)
+    assert all(k > 0 for k in ks(d)[:3]) and ks(d)[3] == 0
+
+
+def test_zero_acceptance_batch_decodes_plainly():
+    d = decide([Candidate((0.0,) * 8, 8)] * 4, CPU_LIKE, 8)
+    assert d.plain and d.rate == d.plain_rate
+
+
+def test_width_cap_is_where_plain_wins():
+    cap = width_cap(CPU_LIKE, (0.7,) * 8, 8, 256)
+    assert cap is not None and cap > 1
+    assert not decide([Candidate((0.7,) * 8, 8)] * (cap - 1), CPU_LIKE, 8).plain
+    assert decide([Candidate((0.7,) * 8, 8)] * cap, CPU_LIKE, 8).plain
+    assert width_cap(CPU_LIKE, (0.0,) * 8, 8, 256) == 1
+    assert 1 <= rearm_width(cap) < cap
+
+
+def test_fit_recovers_costs_despite_outliers():
+    rng = np.random.default_rng(0)
+    true = np.array([0.006, 0.0012, 0.0002, 0.0002])
+    rows = []
+    for _ in range(400):  # the shapes an engine sees: a few K at a few widths
+        k, b = rng.choice([1, 2, 4, 8]), rng.choice([1, 4, 8])
+        tokens = b * (1 + k)
+        seconds = true @ [1, k, k * b, tokens] * rng.normal(1.0, 0.02)
+        if rng.random() < 0.05:
+            seconds *= 20  # another process took the cores
+        rows.append((k, b, tokens, seconds))
+    shapes, medians, counts = shape_medians(np.array(rows))
+    x = np.column_stack([np.ones(len(shapes)), shapes[:, 0], shapes[:, 0] * shapes[:, 1], shapes[:, 2]])
+    coef = fit_linear(x, medians, counts)
+    assert np.allclose(coef, true, rtol=0.25, atol=2e-5), coef
+
+
+def test_fit_never_returns_negative_costs():
+    x = np.column_stack([np.ones(6), np.arange(6.0)])
+    assert (fit_linear(x, 0.01 - 0.001 * np.arange(6.0)) >= 0).all()
+
+
+# -- the controller, fed a synthetic engine ---------------------------------------
+
+def drive(controller, requests, costs, acceptance, steps, rng):
+    """Run ``steps`` engine steps: the controller decides, the synthetic
+    engine reports the step's cost and each round's accepted drafts."""
+    history = []
+    for _ in range(steps):
+        drafts, skipped = controller.plan(requests)
+        ticks = max(drafts, default=0)
+        tokens = len(requests) + sum(drafts)
+        seconds = (costs.plain_step(tokens) if ticks == 0
+                   else costs.spec_step(ticks, sum(1 for k in drafts if k), tokens))
+        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds)
+        controller.observe_gap(0.0)
+        for (req_id, sampled, _), k in zip(requests, drafts):
+            if k:
+                accepted = 0
+                while accepted < k and rng.random() < acceptance[req_id]:
+                    accepted += 1
+                controller.observe_round(req_id, sampled, k, accepted)
+        history.append((drafts, skipped))
+    return history
+
+
+def test_controller_learns_costs_and_follows_the_policy():
+    """At one width the fit cannot tell a draft tick from a drafting row or a
+    verified token (they move together), but it predicts every step it has
+    seen, and the policy it drives picks the K the true costs would."""
+    rng = np.random.default_rng(1)
+    c = AdaptiveController(max_k=8, start_k=4)
+    history = drive(c, [("a", False, 8)], CPU_LIKE, {"a": 0.9}, 200, rng)
+    assert c.costs is not None
+    for k in range(1, 9):
+        assert c.costs.spec_step(k, 1, 1 + k) == pytest.approx(CPU_LIKE.spec_step(k, 1, 1 + k), rel=0.05)
+    assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.05)
+    best = max(ks(decide([Candidate((0.9,) * 8, 8)], CPU_LIKE, 8)))
+    policy = [max(d) for (d, _), r in zip(history, c.history) if r.reason == "policy"]
+    assert len(policy) > 100 and np.median(policy[-50:]) == pytest.approx(best, abs=1)
+
+
+def test_width_cap_turns_speculation_off_and_rearms_lower():
+    """Wide batches of mediocre requests: the policy picks plain steps, the
+    controller disarms at that width (plain steps, counted as width_cap, one
+    probe round in 16), holds while the batch narrows a little, re-arms
+    when it narrows to the re-arm width."""
+    rng = np.random.default_rng(2)
+    costs = CPU_LIKE
+    c = AdaptiveController(max_k=8, start_k=4)
+    wide = [(f"w{i}", False, 8) for i in range(16)]
+    assert decide([Candidate((0.8,) * 8, 8)] * 16, costs, 8).plain
+    assert not decide([Candidate((0.8,) * 8, 8)] * 2, costs, 8).plain
+    drive(c, wide, costs, {r: 0.8 for r, _, _ in wide}, 200, rng)
+    assert not c.armed and c.cap == 16
+    history = drive(c, wide[:13], costs, {r: 0.8 for r, _, _ in wide}, 32, rng)
+    assert not c.armed  # 13 > rearm_width(16) == 12
+    plain = [not any(d) for d, _ in history]
+    assert sum(plain) >= 30 and all(s == {SKIP_WIDTH_CAP: 13} for (d, s) in history if not any(d))
+    drafts, _ = c.plan(wide[:2])
+    assert c.armed and any(drafts)
+
+
+def test_low_acceptance_request_is_paused_then_reprobed():
+    rng = np.random.default_rng(3)
+    dear_rows = CPU_LIKE
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [("good1", False, 8), ("good2", False, 8), ("bad", False, 8)]
+    history = drive(c, reqs, dear_rows, {"good1": 0.95, "good2": 0.95, "bad": 0.0}, 300, rng)
+    bad = [d[2] for d, _ in history[-150:]]
+    good = [d[0] for d, _ in history[-150:]]
+    assert sum(k > 0 for k in good) > 100
+    assert 0 < sum(k > 0 for k in bad) < 15  # re-probes only, with one draft
+    assert all(k in (0, 1) for k in bad)
+    assert sum(s.get(SKIP_LOW_ACCEPTANCE, 0) for _, s in history[-150:]) > 100
+
+
+def test_pinned_start_k_is_used_until_costs_are_fitted():
+    c = AdaptiveController(max_k=8, start_k=3)
+    drafts = [c.plan([("a", False, 8)])[0][0] for _ in range(8)]
+    assert c.costs is None and set(drafts) == {0, 1, 3, 8}
