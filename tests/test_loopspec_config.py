@@ -51,13 +51,21 @@ def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
         assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
 
 
-def test_loopspec_engines_run_eagerly_until_compiled_rounds_exist(tiny_checkpoint):
-    """The model's forward is compiled for native serving; loopspec's round
-    is not yet, so a loopspec engine is configured eager (with a warning)."""
+def test_loopspec_engines_keep_vllms_compile_mode_on_cpu(tiny_checkpoint):
+    """On CPU a loopspec engine compiles like a native one (its plain steps
+    run vLLM's compiled forward; rounds run their loop ranges eagerly). On
+    CUDA it is configured eager (with a warning) until rounds are captured
+    in CUDA graphs."""
+    from vllm.platforms import current_platform
+
     native = EngineArgs(model=str(tiny_checkpoint), dtype="float32", max_model_len=256).create_engine_config()
     assert not native.model_config.enforce_eager and native.compilation_config.mode != 0
     spec = _config(tiny_checkpoint, "loopspec")
-    assert spec.model_config.enforce_eager and spec.compilation_config.mode == 0
+    if current_platform.is_cpu():
+        assert not spec.model_config.enforce_eager
+        assert spec.compilation_config.mode == native.compilation_config.mode
+    else:
+        assert spec.model_config.enforce_eager and spec.compilation_config.mode == 0
 
 
 def test_cli_parses_bare_word():

@@ -119,9 +119,15 @@ def test_controller_learns_costs_and_follows_the_policy():
     for k in range(1, 9):
         assert c.costs.spec_step(k, 1, 1 + k) == pytest.approx(CPU_LIKE.spec_step(k, 1, 1 + k), rel=0.05)
     assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.05)
-    best = max(ks(decide([Candidate((0.9,) * 8, 8)], CPU_LIKE, 8)))
     policy = [max(d) for (d, _), r in zip(history, c.history) if r.reason == "policy"]
-    assert len(policy) > 100 and np.median(policy[-50:]) == pytest.approx(best, abs=1)
+    assert len(policy) > 100
+
+    def true_rate(k):
+        return expected_tokens((0.9,) * 8, k) / CPU_LIKE.spec_step(k, 1, 1 + k)
+
+    best = max(true_rate(k) for k in range(1, 9))
+    chosen = [true_rate(k) if k else 1 / CPU_LIKE.plain_step(1) for k in policy[-50:]]
+    assert np.median(chosen) >= 0.95 * best
 
 
 def test_width_cap_turns_speculation_off_and_rearms_lower():

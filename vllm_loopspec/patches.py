@@ -100,11 +100,14 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         raise LoopSpecConfigError(
             "loopspec runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER."
         )
-    if not engine_args.enforce_eager:
+    from vllm.platforms import current_platform
+
+    if not engine_args.enforce_eager and not current_platform.is_cpu():
         # The model's forward (native steps) is compiled by vLLM, but the
-        # round calls loop ranges that are not: until compiled ticks (and
-        # CUDA graphs of them) are proven, the whole engine runs eagerly.
-        logger.warning("loopspec: rounds are not compiled yet (no torch.compile, no CUDA graphs); "
+        # round calls loop ranges outside vLLM's CUDA graph wrapper: until
+        # captured rounds are proven on a GPU, the engine runs eagerly. On
+        # CPU (no graphs) plain steps run compiled and rounds eagerly.
+        logger.warning("loopspec: rounds are not captured in CUDA graphs yet; "
                        "running this engine with --enforce-eager.")
         engine_args.enforce_eager = True
         target_model_config.enforce_eager = True

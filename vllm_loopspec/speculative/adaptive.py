@@ -117,6 +117,7 @@ class AdaptiveController:
         self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, seconds)
         self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, seconds)
         self._gaps: deque = deque(maxlen=64)
+        self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
 
     # -- measurements -------------------------------------------------------------
@@ -132,7 +133,13 @@ class AdaptiveController:
             state.probing = False
 
     def observe_step(self, ticks: int, spec_rows: int, tokens: int, seconds: float) -> None:
-        """A timed engine step (``ticks == 0``: plain)."""
+        """A timed engine step (``ticks == 0``: plain). The first step of
+        each shape is not a sample: it pays one-off work (kernel selection,
+        compilation of a new size) that later steps of the shape do not."""
+        shape = (ticks, spec_rows, tokens)
+        if shape not in self._shapes_seen:
+            self._shapes_seen.add(shape)
+            return
         if ticks == 0:
             self._plain.append((tokens, seconds))
         else:
