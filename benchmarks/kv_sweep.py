@@ -5,10 +5,18 @@ vLLM's own ``ngram`` and ``suffix`` methods, on one engine build, side by side.
     python benchmarks/kv_sweep.py --settings short --concurrency 1 8 \\
         --draft-loops 2 --ks 4 --short-prompts repetitive --out benchmarks/results/kv_sweep_repetitive.json
 
-Grid: ``--draft-loops`` d × ``--ks`` K × ``--concurrency`` × ``--settings``
-(``short``: the ``mixed`` prompt set, 128 new tokens; ``long``: ~512-token
-prompts from ``long``, 192 new tokens), plus ``--peers`` (``ngram`` at each
-``--peer-ks``, ``suffix`` with vLLM's defaults) and the native arm.
+Grid: ``--draft-loops`` d × ``--ks`` K (fixed K: ``"adaptive": false``) ×
+``--concurrency`` × ``--settings`` (``short``: the ``mixed`` prompt set, 128
+new tokens; ``long``: ~512-token prompts from ``long``, 192 new tokens) ×
+``--temperatures``, plus ``--peers`` (``ngram`` at each ``--peer-ks``,
+``suffix`` with vLLM's defaults), the native arm, and with ``--adaptive``
+loopspec's adaptive policy at each d. ``--compiled`` runs every engine in
+vLLM's default (compiled) mode instead of ``enforce_eager``.
+
+The adaptive policy (issue 13) is measured with:
+
+    python benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 \
+        --repeats 3 --out benchmarks/results/adaptive_sweep.json
 
 Method: every engine lives in this process and stays alive, so arms
 interleave (rotated order, ``--repeats`` times) under the same machine noise.
@@ -54,7 +62,10 @@ def arm_specs(args) -> dict[str, dict | None]:
     arms: dict[str, dict | None] = {"native": None}
     for d in args.draft_loops:
         for k in args.ks:
-            arms[f"loopspec d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d}
+            arms[f"loopspec d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
+                                           "adaptive": False}
+        if args.adaptive:
+            arms[f"loopspec d{d} adaptive"] = {"method": "loopspec", "draft_loops": d}
     if "ngram" in args.peers:
         for k in args.peer_ks:
             arms[f"ngram K{k}"] = {"method": "ngram", "num_speculative_tokens": k,
@@ -142,12 +153,38 @@ def per_step_split(profile: dict) -> dict:
     return split
 
 
+def cell_name(temperature: float, setting: str) -> str:
+    """Result key: the setting, with the temperature when sampling
+    (greedy keys stay ``short``/``long`` as in earlier records)."""
+    return setting if not temperature else f"{setting} T{temperature:g}"
+
+
+def policy_snapshot(llm) -> dict:
+    """The adaptive policy's state after the sweep: fitted step costs and
+    the decisions it made (K of each step, by reason)."""
+    controller = model_runner(llm).drafter.controller
+    decisions: dict[str, int] = {}
+    for record in controller.history:
+        key = f"{record.reason} K{max(record.drafts, default=0)}"
+        decisions[key] = decisions.get(key, 0) + 1
+    costs = controller.costs
+    return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec},
+            "armed": controller.armed, "cap": controller.cap, "decisions_in_last_4096_steps": decisions}
+
+
+def machine_load() -> list[float]:
+    """1/5/15-minute load averages when the record was written: a sweep on a
+    machine that other jobs share is noisier."""
+    return list(os.getloadavg())
+
+
 # -- main ------------------------------------------------------------------------
 
 def build_engines(args, specs: dict[str, dict | None]) -> dict:
     from vllm import LLM
 
-    common = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, enforce_eager=True,
+    common = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5,
+                  enforce_eager=not args.compiled,
                   seed=0, disable_log_stats=False, max_num_seqs=max(args.concurrency),
                   max_num_batched_tokens=8192, num_gpu_blocks_override=args.kv_blocks)
     engines = {}
@@ -182,8 +219,10 @@ def main() -> None:
     ap.add_argument("--short-prompts", default="mixed")
     ap.add_argument("--long-prompts", default="long")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--temperature", type=float, default=0.0,
+    ap.add_argument("--temperatures", "--temperature", type=float, nargs="+", default=[0.0],
                     help="0 = greedy; > 0 samples with a per-request seed (same seeds for every arm)")
+    ap.add_argument("--adaptive", action="store_true", help="add loopspec's adaptive policy at each d")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default compile mode (not enforce_eager)")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
     args = ap.parse_args()
@@ -208,38 +247,40 @@ def main() -> None:
     for name in names:  # warm every arm at every batch shape once
         for c in args.concurrency:
             decode_trial(engines[name], prompt_sets["short"][:c], 16)
-    runs = {s: {c: {n: [] for n in names} for c in args.concurrency} for s in args.settings}
+    cells = [(t, s) for t in args.temperatures for s in args.settings]
+    runs = {cell: {c: {n: [] for n in names} for c in args.concurrency} for cell in cells}
     t_start = time.perf_counter()
     for rep in range(args.repeats):
-        for setting in args.settings:
+        for temperature, setting in cells:
             prompts, new_tokens = prompt_sets[setting], SETTINGS[setting]["new_tokens"]
             for c in args.concurrency:
                 batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
                 shift = (rep + c) % len(names)
                 for name in names[shift:] + names[:shift]:
-                    trial = timed_trial(engines[name], counters[name], batch, new_tokens, args.temperature)
-                    runs[setting][c][name].append(trial | {"repeat": rep})
+                    trial = timed_trial(engines[name], counters[name], batch, new_tokens, temperature)
+                    runs[(temperature, setting)][c][name].append(trial | {"repeat": rep})
         print(f"repeat {rep + 1}/{args.repeats} done after {time.perf_counter() - t_start:.0f} s", flush=True)
 
     results = {}
-    for setting in args.settings:
-        results[setting] = {}
+    for cell in cells:
+        results[cell_name(*cell)] = {}
         for c in args.concurrency:
-            profiles = {n: median_profile(runs[setting][c][n]) for n in names}
-            native = summarize(runs[setting][c]["native"])
+            profiles = {n: median_profile(runs[cell][c][n]) for n in names}
+            native = summarize(runs[cell][c]["native"])
             row = {"native": native | {"split_ms": per_step_split(profiles["native"])}}
             for name in names[1:]:
-                summary = summarize(runs[setting][c][name])
+                summary = summarize(runs[cell][c][name])
                 summary["speedup"] = summary["median_tokens_per_s"] / native["median_tokens_per_s"]
                 summary["split_ms"] = per_step_split(profiles[name])
                 spec = specs[name]
-                if spec["method"] == "loopspec":
+                if spec["method"] == "loopspec" and spec.get("adaptive") is False:
                     k, d = spec["num_speculative_tokens"], spec["draft_loops"]
                     summary["cost_model"] = cost_model(profiles["native"], profiles[name], k, d, loops,
                                                        summary.get("acceptance", 0.0), c)
                     summary["speedup_over_ceiling"] = summary["speedup"] / summary["cost_model"]["ceiling"]
                 row[name] = summary
-            results[setting][str(c)] = row
+            results[cell_name(*cell)][str(c)] = row
+    policies = {name: policy_snapshot(llm) for name, llm in engines.items() if name.endswith("adaptive")}
 
     record = {
         "benchmark": "kv_sweep",
@@ -247,14 +288,17 @@ def main() -> None:
         "loops": loops, "arms": specs, "skipped_arms": skipped, "repeats": args.repeats,
         "settings": {s: SETTINGS[s] | {"prompts": args.short_prompts if s == "short" else args.long_prompts}
                      for s in args.settings},
-        "concurrency": args.concurrency, "dtype": "float32", "temperature": args.temperature, "kv_cache": kv,
+        "concurrency": args.concurrency, "dtype": "float32", "temperatures": args.temperatures, "kv_cache": kv,
         "command": " ".join(["python", *sys.argv]),
-        "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), enforce_eager",
+        "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
+                  + ("compiled (vLLM's default mode)" if args.compiled else "enforce_eager"),
+        "machine_load": machine_load(),
+        "adaptive_policies": policies,
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_seconds": time.perf_counter() - t_start,
         "results": results,
-        "raw": {s: {str(c): runs[s][c] for c in args.concurrency} for s in args.settings},
+        "raw": {cell_name(*cell): {str(c): runs[cell][c] for c in args.concurrency} for cell in cells},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -1,0 +1,161 @@
+"""A workload that changes under the engine (issue 13): one greedy request
+decodes alone, a burst of 16 sampled requests arrives, decodes beside it and
+leaves, and the greedy request finishes alone.
+
+    python benchmarks/adaptive_burst.py [--compiled] [--repeats 3]
+
+The same timeline (arrival after ``--burst-after`` seconds of decoding) runs
+on a native engine and on a loopspec engine with the adaptive policy, in
+this process, alternating. Recorded per engine step: time, batch width,
+tokens committed, and for loopspec the policy's decision (the largest K_i of
+the step and why). Reported: throughput before, during and after the burst
+for both engines (the burst window: from the arrival to the last burst
+request's end), and a plot of the policy's K per step over time with the
+batch width (``benchmarks/results/plots/adaptive_burst.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loopspec_decode  # noqa: E402,F401  (sets the in-process environment)
+from loopspec_decode import RESULTS, ROOT, load_prompts  # noqa: E402
+from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+
+
+def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: str) -> dict:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    controller = getattr(getattr(model_runner(llm), "drafter", None), "controller", None)
+    engine.add_request(f"{tag}-greedy", greedy_prompt,
+                       SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True))
+    produced: dict[str, int] = {}
+    steps = []
+    burst_at = None
+    t0 = None
+    while engine.has_unfinished_requests():
+        if t0 is not None and burst_at is None and time.perf_counter() - t0 >= args.burst_after:
+            burst_at = time.perf_counter() - t0
+            for i, p in enumerate(burst_prompts):
+                engine.add_request(f"{tag}-burst-{i}", p, SamplingParams(
+                    max_tokens=args.burst_tokens, temperature=0.8, seed=100 + i, ignore_eos=True))
+        outs = engine.step()
+        now = time.perf_counter()
+        committed = 0
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            committed += n - produced.get(out.request_id, 0)
+            produced[out.request_id] = n
+        if t0 is None:
+            if produced.get(f"{tag}-greedy"):
+                t0 = now  # the greedy request's prefill is done: the clock starts
+            continue
+        last = controller.history[-1] if controller is not None and controller.history else None
+        steps.append({"t": now - t0, "committed": committed, "width": len(outs),
+                      "k": max(last.drafts, default=0) if last is not None else 0,
+                      "reason": last.reason if last is not None else "native"})
+    burst_ends = [s["t"] for s in steps if s["width"] > 1]
+    end_of_burst = max(burst_ends) if burst_ends else burst_at
+    return {"burst_at": burst_at, "burst_end": end_of_burst, "steps": steps,
+            "windows": windows(steps, burst_at, end_of_burst)}
+
+
+def windows(steps: list[dict], start: float, end: float) -> dict:
+    """Committed tokens per second before, during and after the burst."""
+    out = {}
+    bounds = {"before": (0.0, start), "burst": (start, end), "after": (end, steps[-1]["t"] if steps else end)}
+    for name, (a, b) in bounds.items():
+        tokens = sum(s["committed"] for s in steps if a < s["t"] <= b)
+        out[name] = {"tokens": tokens, "seconds": b - a, "tokens_per_s": tokens / (b - a) if b > a else 0.0}
+    return out
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = record["runs"]["loopspec adaptive"][-1]
+    t = [s["t"] for s in run["steps"]]
+    fig, (ax_k, ax_w) = plt.subplots(2, 1, sharex=True, figsize=(9, 5))
+    ax_k.step(t, [s["k"] for s in run["steps"]], where="post", lw=0.8)
+    ax_k.set_ylabel("K of the step (0 = plain)")
+    ax_k.axvspan(run["burst_at"], run["burst_end"], color="orange", alpha=0.15, label="burst of 16 sampled")
+    ax_k.legend(loc="upper right")
+    ax_w.step(t, [s["width"] for s in run["steps"]], where="post", color="gray", lw=0.8)
+    ax_w.set_ylabel("requests in step")
+    ax_w.set_xlabel("seconds since the greedy request's first token")
+    ratio = record["summary"]["burst_speedup_median"]
+    fig.suptitle(f"adaptive policy under a burst: throughput during the burst {ratio:.2f}x native (median)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "ouro-stdlib")
+    ap.add_argument("--compiled", action="store_true", help="vLLM's default (compiled) mode for both engines")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--greedy-tokens", type=int, default=600)
+    ap.add_argument("--burst-tokens", type=int, default=96)
+    ap.add_argument("--burst-after", type=float, default=1.5, help="seconds of lone decoding before the burst")
+    ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_burst.json")
+    args = ap.parse_args()
+
+    import torch
+    import vllm
+    from vllm import LLM
+
+    common = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=not args.compiled,
+                  seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
+    engines = {"native": LLM(str(args.checkpoint), **common),
+               "loopspec adaptive": LLM(str(args.checkpoint), speculative_config={"method": "loopspec"}, **common)}
+    prompts = load_prompts("mixed")
+    greedy_prompt, burst = prompts[0], [prompts[(1 + i) % len(prompts)] for i in range(16)]
+    for name, llm in engines.items():  # warm-up: shapes, and the policy's cost model
+        run_timeline(llm, argparse.Namespace(**{**vars(args), "greedy_tokens": 200, "burst_after": 0.5}),
+                     greedy_prompt, burst, f"warm-{name}")
+    runs = {name: [] for name in engines}
+    for rep in range(args.repeats):
+        order = list(engines) if rep % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            runs[name].append(run_timeline(engines[name], args, greedy_prompt, burst, f"{rep}-{name}"))
+        print(f"repeat {rep + 1}/{args.repeats}", flush=True)
+
+    def med(name, window):
+        return statistics.median(r["windows"][window]["tokens_per_s"] for r in runs[name])
+
+    summary = {f"{w}_tokens_per_s": {n: med(n, w) for n in engines} for w in ("before", "burst", "after")}
+    for w in ("before", "burst", "after"):
+        summary[f"{w}_speedup_median"] = med("loopspec adaptive", w) / med("native", w)
+    record = {
+        "benchmark": "adaptive_burst", "command": " ".join(["python", *sys.argv]),
+        "engine": "in-process vLLM V1, " + ("compiled (default mode)" if args.compiled else "enforce_eager"),
+        "workload": {"greedy_tokens": args.greedy_tokens, "burst": 16, "burst_tokens": args.burst_tokens,
+                     "burst_temperature": 0.8, "burst_after_s": args.burst_after},
+        "vllm": vllm.__version__, "torch": torch.__version__, "cores": os.cpu_count(),
+        "machine_load": list(os.getloadavg()), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "summary": summary, "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, RESULTS / "plots" / "adaptive_burst.png")
+    for w in ("before", "burst", "after"):
+        print(f"{w:>6}: native {summary[w + '_tokens_per_s']['native']:.0f} tok/s, adaptive "
+              f"{summary[w + '_tokens_per_s']['loopspec adaptive']:.0f} tok/s ({summary[w + '_speedup_median']:.2f}x)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
