@@ -66,7 +66,7 @@ def main() -> None:
 
     prompts = [json.loads(line)["prompt"] for line in
                (ROOT / "benchmarks" / "prompts" / "code.jsonl").read_text().splitlines() if line.strip()]
-    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2}
+    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False}
     common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16)
     small = str(ROOT / "checkpoints" / "ouro-stdlib")
     arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),

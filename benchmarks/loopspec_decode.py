@@ -211,7 +211,7 @@ def main() -> None:
     arms = {"native": LLM(str(args.checkpoint), **common)}
     for k in args.ks:
         arms[f"K{k}"] = LLM(str(args.checkpoint), speculative_config={
-            "method": "loopspec", "num_speculative_tokens": k, "draft_loops": args.draft_loops}, **common)
+            "method": "loopspec", "num_speculative_tokens": k, "draft_loops": args.draft_loops, "adaptive": False}, **common)
     loops = model_runner(arms["native"]).model.num_loops
     names = list(arms)
     runs = {c: {n: [] for n in names} for c in args.concurrency}

@@ -34,6 +34,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 # -- one trial, inside the profiled tree's process ------------------------------
 
+def fixed_k_config(k: int, d: int) -> dict:
+    """loopspec drafting K every round, in whichever tree runs (older trees
+    have no adaptive policy and no ``adaptive`` key)."""
+    spec = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d}
+    try:
+        from vllm_loopspec.speculative.options import ALLOWED_KEYS
+    except ImportError:
+        return spec
+    return spec | ({"adaptive": False} if "adaptive" in ALLOWED_KEYS else {})
+
+
 def trial(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -68,8 +79,7 @@ def trial(args) -> dict:
                (ROOT / "benchmarks" / "prompts" / "code.jsonl").read_text().splitlines() if line.strip()]
     llm = LLM(str(args.checkpoint), dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5,
               enforce_eager=True, seed=0, max_num_seqs=16,
-              speculative_config={"method": "loopspec", "num_speculative_tokens": args.k,
-                                  "draft_loops": args.draft_loops})
+              speculative_config=fixed_k_config(args.k, args.draft_loops))
     runner = model_runner(llm)
     rounds: list[dict] = []
     original_forward = runner._model_forward

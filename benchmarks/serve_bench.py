@@ -124,7 +124,8 @@ def speculative_config(arm: str, args: argparse.Namespace) -> dict | None:
     if arm == "native":
         return None
     if arm == "loopspec":
-        return {"method": "loopspec", "num_speculative_tokens": args.loopspec_k, "draft_loops": args.loopspec_d}
+        return {"method": "loopspec", "num_speculative_tokens": args.loopspec_k, "draft_loops": args.loopspec_d,
+                "adaptive": False}
     if arm == "ngram":
         return {"method": "ngram", "num_speculative_tokens": args.baseline_k,
                 "prompt_lookup_max": 4, "prompt_lookup_min": 2}

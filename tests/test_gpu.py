@@ -39,7 +39,7 @@ def test_native_cuda_graphs_equal_eager(tiny_checkpoint, native_eager_tokens):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_loopspec_equals_native_on_gpu(tiny_checkpoint, native_eager_tokens, k):
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": 2})
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": 2, "adaptive": False})
     assert _tokens(llm) == native_eager_tokens
 
 
@@ -65,6 +65,6 @@ def test_greedy_round_makes_no_host_sync(tiny_checkpoint, native_eager_tokens, m
             rounds["n"] += 1
 
     monkeypatch.setattr(drafter_module, "run_round", guarded)
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2})
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False})
     assert _tokens(llm) == native_eager_tokens
     assert rounds["n"] > 0

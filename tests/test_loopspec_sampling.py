@@ -46,7 +46,7 @@ def v16(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v16_llm(v16):
-    llm = make_llm(v16[0], {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1},
+    llm = make_llm(v16[0], {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
                    skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048)
     return llm
 

@@ -134,7 +134,7 @@ def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
 def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
     """A KV pool of 6 blocks (768 tokens) for 5 requests of ~250 tokens forces
     vLLM to preempt and recompute; loopspec output must stay native."""
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2},
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2, "adaptive": False},
                    num_gpu_blocks_override=6, max_model_len=512)
     prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
     params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):
     they are the newest engine's in this process) agree with loopspec's own:
     every output token comes from prefill, an accepted draft, a round's
     correction/bonus token, or a step without drafts."""
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 3, "draft_loops": 1})
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 3, "draft_loops": 1, "adaptive": False})
     params = SamplingParams(max_tokens=25, temperature=0, ignore_eos=True)
     outs = llm.generate(SHORT, params, use_tqdm=False)
     total = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -28,7 +28,7 @@ def trained_native():
 
 @pytest.fixture(scope="module")
 def trained_loopspec():
-    llm = make_llm(CKPT, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2})
+    llm = make_llm(CKPT, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False})
     return llm
 
 

@@ -62,7 +62,7 @@ def test_seeded_request_in_a_chunked_prefill_is_served_and_replays(native_llm, l
 
     ids = tokenizer(long_prompt(300, tokenizer))["input_ids"]
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
-    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2}
+    spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False}
     pairs = [(native_llm, make_llm(tiny_checkpoint, max_num_batched_tokens=1024)),
              (loopspec_llms(4), make_llm(tiny_checkpoint, spec, max_num_batched_tokens=1024))]
     for chunked, one_step in pairs:
