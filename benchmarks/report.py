@@ -6,7 +6,8 @@
 Inputs (each section is skipped with a note when its file is missing):
 ``kv_sweep.json`` (offline grid), ``kv_sweep_<set>.json`` (per prompt set),
 ``serving.json`` (``vllm bench serve``), ``cost_curve.json`` (loop cost vs
-rows), and the hand-written ``findings.md`` placed at the top of the page.
+rows), ``adaptive_sweep.json`` and ``adaptive_burst.json`` (the adaptive
+policy), and the hand-written ``findings.md`` placed at the top of the page.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def as_text(command) -> str:
     """A recorded command (string or argv list) as one line, paths relative to the repo."""
     text = command if isinstance(command, str) else " ".join(str(c) for c in command)
     return text.replace(str(BENCH.parent) + "/", "")
+
+
+def temperature_of(rec: dict) -> float:
+    """A sweep record's temperature (older records: ``temperature``; newer:
+    the first of ``temperatures``)."""
+    return rec["temperature"] if "temperature" in rec else (rec.get("temperatures") or [0.0])[0]
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -121,7 +128,7 @@ def plot_speedup(rec: dict, tag: str = "") -> list[str]:
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
-            ax.set_title(f"{setting}{', T=' + str(rec['temperature']) if rec['temperature'] else ''}, "
+            ax.set_title(f"{setting}{', T=' + str(temperature_of(rec)) if temperature_of(rec) else ''}, "
                          f"concurrency {conc}")
             ax.set_xlabel("K (drafted tokens per round)")
         axes[0][0].set_ylabel("speedup over native (median tok/s)")
@@ -155,7 +162,7 @@ def plot_acceptance(records: list[dict]) -> str:
                 continue
             color, style = (COLORS.get(d), "o-") if kind == "loopspec" else PEER_STYLE.get(kind, (None, "x-"))
             ax.plot(range(1, len(pos) + 1), pos, style, color=color, label=name)
-        sampling = f"T={rec['temperature']}" if rec["temperature"] else "greedy"
+        sampling = f"T={temperature_of(rec)}" if temperature_of(rec) else "greedy"
         ax.set_title(f"{sampling}, {setting}, concurrency {conc}")
         ax.set_xlabel("draft position")
         ax.set_ylim(0, 1.02)
@@ -335,6 +342,63 @@ def plot_latency_cdfs(rec: dict) -> str:
 
 # -- page ---------------------------------------------------------------------
 
+def adaptive_section(rec: dict) -> list[str]:
+    """Adaptive policy against native and every fixed (d, K) of each cell."""
+    lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
+             f"engines: {rec['engine']}; load average when written {fmt(rec['machine_load'][1], 1)}). "
+             "Per cell (setting, temperature, concurrency): median committed tok/s of native, of the "
+             "adaptive policy at each d, and of the best fixed (d, K); `vs native` and `vs best fixed` are "
+             "ratios of medians; IQR/median in brackets.", "",
+             "| cell | c | native tok/s | adaptive d1 | d2 | d3 | best adaptive vs native | best fixed (d, K) "
+             "| best adaptive vs best fixed |", "|---|---|---|---|---|---|---|---|---|"]
+    ok_native = ok_best = cells = 0
+    for cell, by_c in rec["results"].items():
+        for c, row in by_c.items():
+            native = row["native"]["median_tokens_per_s"]
+            adaptive = {n: r for n, r in row.items() if n.endswith("adaptive")}
+            fixed = {n: r for n, r in row.items() if n.startswith("loopspec") and n not in adaptive}
+            if not adaptive or not fixed:
+                continue
+            best_fixed = max(fixed, key=lambda n: fixed[n]["median_tokens_per_s"])
+            best_adaptive = max(adaptive, key=lambda n: adaptive[n]["median_tokens_per_s"])
+            a = adaptive[best_adaptive]["median_tokens_per_s"]
+            f = fixed[best_fixed]["median_tokens_per_s"]
+            cells += 1
+            ok_native += a >= 0.97 * native
+            ok_best += a >= 0.95 * f
+            per_d = [fmt(adaptive[n]["median_tokens_per_s"], 0) if n in adaptive else "–"
+                     for n in (f"loopspec d{d} adaptive" for d in (1, 2, 3))]
+            lines.append(f"| {cell} | {c} | {fmt(native, 0)} | {' | '.join(per_d)} | **{fmt(a / native)}×** "
+                         f"| {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} | {fmt(a / f)}× |")
+    lines += ["", f"Adaptive ≥ 0.97× native in {ok_native} of {cells} cells; within 5% of the best fixed "
+              f"(d, K) in {ok_best} of {cells} cells.", ""]
+    policies = rec.get("adaptive_policies", {})
+    if policies:
+        lines += ["Policy state after the sweep (fitted seconds per step; decisions of its last 4096 steps):", ""]
+        for name, pol in policies.items():
+            costs = pol["costs"] or {}
+            lines.append(f"- {name}: plain {[round(x * 1e3, 3) for x in costs.get('plain', [])]} ms, round "
+                         f"{[round(x * 1e3, 3) for x in costs.get('spec', [])]} ms (s, per tick, per row·tick, "
+                         f"per token); {pol['decisions_in_last_4096_steps']}")
+        lines.append("")
+    return lines
+
+
+def burst_section(rec: dict) -> list[str]:
+    summary = rec["summary"]
+    lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}). One greedy request "
+             f"decodes {rec['workload']['greedy_tokens']} tokens; after {rec['workload']['burst_after_s']} s a "
+             f"burst of {rec['workload']['burst']} sampled requests (T={rec['workload']['burst_temperature']}, "
+             f"{rec['workload']['burst_tokens']} tokens) arrives. Committed tok/s, medians over the repeats:", "",
+             "| window | native | adaptive | adaptive vs native |", "|---|---|---|---|"]
+    for w in ("before", "burst", "after"):
+        tps = summary[f"{w}_tokens_per_s"]
+        lines.append(f"| {w} | {fmt(tps['native'], 0)} | {fmt(tps['loopspec adaptive'], 0)} "
+                     f"| {fmt(summary[f'{w}_speedup_median'])}× |")
+    lines += ["", "![policy K over time](results/plots/adaptive_burst.png)", ""]
+    return lines
+
+
 def main() -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     sweep, serving, curve = load("kv_sweep.json"), load("serving.json"), load("cost_curve.json")
@@ -385,6 +449,11 @@ def main() -> None:
         lines += per_position_table(sampled) + [""]
     else:
         lines += ["(no sampled run recorded)", ""]
+    adaptive, burst = load("adaptive_sweep.json"), load("adaptive_burst.json")
+    lines += ["## Adaptive policy (issue 13)", ""]
+    lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
+    if burst:
+        lines += ["### A burst under a lone greedy request", ""] + burst_section(burst)
     lines += ["## By prompt set (short setting)", "",
               "Same method and engines as the sweep, one prompt set at a time.", ""]
     lines += prompt_set_table() + [""]
@@ -397,7 +466,7 @@ def main() -> None:
               "make bench-all                                 # every benchmark below, then this page",
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
-    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve):
+    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
