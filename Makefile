@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo test test-fast bench bench-all bench-report suffix-decoding soak clean
+.PHONY: install demo test test-fast bench bench-all bench-adaptive bench-report suffix-decoding soak clean
 
 install: $(STAMP)
 
@@ -49,7 +49,16 @@ bench-all: $(STAMP)
 	    --short-prompts $$set --out benchmarks/results/kv_sweep_$$set.json || exit 1; done
 	$(PY) benchmarks/cost_curve.py
 	$(PY) benchmarks/serve_bench.py
+	$(MAKE) bench-adaptive
 	$(PY) benchmarks/report.py
+
+# The adaptive policy (issue 13) against native and every fixed (d, K), in
+# vLLM's default compiled mode, greedy and T=0.8 (~40 min on 2 cores), and
+# the burst workload; keep the machine otherwise idle.
+bench-adaptive: $(STAMP)
+	$(PY) benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 --repeats 3 \
+	  --out benchmarks/results/adaptive_sweep.json
+	$(PY) benchmarks/adaptive_burst.py --compiled
 
 # On a CUDA host: the tests marked gpu and a short decode benchmark (< 8 min),
 # output in benchmarks/results/gpu_check.{txt,json}. Uses its own .venv-gpu.
