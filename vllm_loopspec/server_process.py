@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,11 +44,15 @@ class VllmServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "VllmServer":
+        self.start()
+        self.wait_healthy()
+        return self
+
+    def start(self) -> None:
+        """Start the child without waiting for it (``wait_healthy`` waits)."""
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        self.wait_healthy()
-        return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -60,6 +65,13 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group (its own session: the API server
+        and its engine core), as a crash would; for fault tests."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
 
     def wait_healthy(self, timeout: float = 600.0) -> None:
         deadline = time.time() + timeout
