@@ -28,13 +28,49 @@ def vllm_command() -> str:
     return str(exe) if exe.exists() else (shutil.which("vllm") or "vllm")
 
 
-class VllmServer:
+class ServerClient:
+    """The OpenAI HTTP API and ``/metrics`` of a server at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    # -- requests --------------------------------------------------------------
+    def model_name(self) -> str:
+        with urllib.request.urlopen(self.url + "/v1/models") as r:
+            return json.load(r)["data"][0]["id"]
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.load(r)
+
+    def stream(self, path: str, body: dict) -> Iterator[dict]:
+        """Yield the JSON chunks of a streamed (SSE) response."""
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics") as r:
+            return r.read().decode()
+
+
+class VllmServer(ServerClient):
     """``vllm serve CKPT ARGS`` on 127.0.0.1; a context manager."""
 
     def __init__(self, checkpoint: str | Path, *args: str, port: int | None = None,
                  log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         self.cmd = [vllm_command(), "serve", str(checkpoint), "--host", "127.0.0.1",
                     "--port", str(self.port), *args]
         self.log_path = Path(log_path) if log_path else None
@@ -87,32 +123,3 @@ class VllmServer:
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"vllm serve not healthy after {timeout}s: {' '.join(self.cmd)}")
-
-    # -- requests --------------------------------------------------------------
-    def model_name(self) -> str:
-        with urllib.request.urlopen(self.url + "/v1/models") as r:
-            return json.load(r)["data"][0]["id"]
-
-    def post(self, path: str, body: dict) -> dict:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            return json.load(r)
-
-    def stream(self, path: str, body: dict) -> Iterator[dict]:
-        """Yield the JSON chunks of a streamed (SSE) response."""
-        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    return
-                yield json.loads(data)
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics") as r:
-            return r.read().decode()

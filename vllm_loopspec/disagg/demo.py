@@ -12,7 +12,6 @@ from pathlib import Path
 
 from vllm_loopspec.demo import default_checkpoint
 from vllm_loopspec.disagg.launcher import PDDeployment, metric_sum, prompt_tokens_by_source
-from vllm_loopspec.server_process import VllmServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,13 +29,11 @@ def main() -> None:
     with PDDeployment(ckpt, log_dir=log_dir) as pd:
         print(f"[pd-demo] ready in {time.time() - t0:.0f}s: router {pd.url}, prefill {pd.prefill.url}, "
               f"decode {pd.decode.url}", flush=True)
-        router = VllmServer.__new__(VllmServer)  # only its HTTP helpers, on the router's URL
-        router.url = pd.url
         body = {"model": pd.decode.model_name(), "prompt": args.prompt, "max_tokens": args.max_tokens,
                 "temperature": 0}
         print("[pd-demo] prompt:\n" + args.prompt, end="", flush=True)
         sys.stdout.write("\033[1m")
-        for chunk in router.stream("/v1/completions", body):
+        for chunk in pd.client.stream("/v1/completions", body):
             if chunk["choices"]:
                 sys.stdout.write(chunk["choices"][0]["text"])
                 sys.stdout.flush()

@@ -49,7 +49,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,7 @@ from vllm_loopspec.disagg.contract import (
     contract_from_server,
 )
 from vllm_loopspec.disagg.router import Router
-from vllm_loopspec.server_process import VllmServer, free_port
+from vllm_loopspec.server_process import ServerClient, VllmServer, free_port
 
 DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5",
                       "--enforce-eager")
@@ -146,6 +145,7 @@ class PDDeployment:
                                  env={**instance_env(self.side_channel_ports[1], self.cuda, devices[1]), **(env or {})})
         self.router = Router(self.prefill.url, self.decode.url, port=port or free_port())
         self.url = self.router.url
+        self.client = ServerClient(self.url)  # the OpenAI API through the router
         self.warmup = warmup
         self.start_timeout_s = start_timeout_s
 
@@ -187,7 +187,7 @@ class PDDeployment:
         before = prompt_tokens_by_source(self.decode.metrics())
         body = {"model": self.decode.model_name(), "prompt": "warm-up handoff", "max_tokens": 2,
                 "temperature": 0}
-        post_json(self.url + "/v1/completions", body, timeout=timeout_s)
+        self.client.post("/v1/completions", body, timeout=timeout_s)
         deadline = time.monotonic() + 10
         while True:
             after = prompt_tokens_by_source(self.decode.metrics())
@@ -206,12 +206,6 @@ class PDDeployment:
     def idle_kv_usage(self) -> tuple[float, float]:
         return (metric_sum(self.prefill.metrics(), "vllm:kv_cache_usage_perc"),
                 metric_sum(self.decode.metrics(), "vllm:kv_cache_usage_perc"))
-
-
-def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
 
 
 # -- command line --------------------------------------------------------------------
