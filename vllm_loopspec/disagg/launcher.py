@@ -180,10 +180,27 @@ class PDDeployment:
         self.decode.stop()
         self.prefill.stop()
 
-    def warmup_handoff(self, timeout_s: float = 120.0) -> None:
+    def warmup_handoff(self, attempts: int = 3, timeout_s: float = 120.0) -> None:
         """One short request through the router; its prompt must reach the
         decode instance by transfer (NIXL's own handshake checks run here, so
-        the first user request is not the one that finds out)."""
+        the first user request is not the one that finds out). A handshake
+        can time out on an overloaded host (vLLM waits 5 s for the side
+        channel's answer): up to ``attempts`` tries, then refuse."""
+        for attempt in range(1, attempts + 1):
+            delta = self._one_warmup(timeout_s)
+            if delta["external_kv_transfer"] > 0 and delta["local_compute"] == 0:
+                return
+            log = self.decode.log_path.read_text()
+            if "compatibility hash mismatch" in log:
+                break  # a real incompatibility: retrying cannot help
+        errors = [line for line in self.decode.log_path.read_text().splitlines()
+                  if "NIXL" in line and ("mismatch" in line or "rror" in line or "ailed" in line)][-5:]
+        raise HandoffContractError(
+            f"the warm-up request's KV did not reach the decode instance by transfer in {attempt} tries "
+            f"(prompt tokens on the decode side: {delta}); decode log ({self.decode.log_path}):\n"
+            + "\n".join(errors))
+
+    def _one_warmup(self, timeout_s: float) -> dict[str, float]:
         before = prompt_tokens_by_source(self.decode.metrics())
         body = {"model": self.decode.model_name(), "prompt": "warm-up handoff", "max_tokens": 2,
                 "temperature": 0}
@@ -192,16 +209,9 @@ class PDDeployment:
         while True:
             after = prompt_tokens_by_source(self.decode.metrics())
             delta = {k: after[k] - before[k] for k in after}
-            if delta["external_kv_transfer"] > 0 and delta["local_compute"] == 0:
-                return
-            if time.monotonic() > deadline:
-                break
+            if (delta["external_kv_transfer"] > 0 and delta["local_compute"] == 0) or time.monotonic() > deadline:
+                return delta
             time.sleep(0.2)
-        errors = [line for line in self.decode.log_path.read_text().splitlines()
-                  if "NIXL" in line and ("mismatch" in line or "rror" in line or "ailed" in line)][-5:]
-        raise HandoffContractError(
-            "the warm-up request's KV did not reach the decode instance by transfer (prompt tokens on the "
-            f"decode side: {delta}); decode log ({self.decode.log_path}):\n" + "\n".join(errors))
 
     def idle_kv_usage(self) -> tuple[float, float]:
         return (metric_sum(self.prefill.metrics(), "vllm:kv_cache_usage_perc"),
