@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serve_bench as sb  # noqa: E402
+from report import pd_serving_table as serving_markdown  # noqa: E402
+from report import pd_transfer_table as transfer_markdown  # noqa: E402
 
 from vllm_loopspec.disagg.contract import cache_config_info  # noqa: E402
 from vllm_loopspec.disagg.launcher import PDDeployment, metric_sum  # noqa: E402
@@ -127,21 +129,6 @@ def serving(args) -> dict:
     return report
 
 
-def serving_markdown(report: dict) -> str:
-    lines = ["| arm | rate (req/s) | TTFT p50 / p99 | ITL p50 / p99 | E2EL p50 / p99 | out tok/s | "
-             "decode prompt tokens by transfer / computed |", "|---|---|---|---|---|---|---|"]
-    for arm, res in report["arms"].items():
-        if not res.get("rates"):
-            lines.append(f"| {arm} | – | {res.get('error', 'not run')[:100]} | | | | |")
-        for rate, r in res.get("rates", {}).items():
-            lat = " | ".join(f"{sb.fmt(r[f'{m}_ms']['p50'])} / {sb.fmt(r[f'{m}_ms']['p99'])}"
-                             for m in ("ttft", "itl", "e2el"))
-            src = r["decode_prompt_tokens"]
-            lines.append(f"| {arm} | {rate} | {lat} | {sb.fmt(r['output_throughput'])} | "
-                         f"{int(src['external_kv_transfer'])} / {int(src['local_compute'])} |")
-    return "\n".join(lines) + "\n"
-
-
 # -- transfer ------------------------------------------------------------------------------
 def transfer_shapes(args) -> list[dict]:
     from vllm_loopspec.tools.make_checkpoint import make_checkpoint
@@ -167,7 +154,9 @@ def transfer(args) -> dict:
         print(f"[pd_bench] transfer: {shape['label']}", flush=True)
         entry = {**shape, "rows": []}
         report["shapes"].append(entry)
-        serve = [*sb.SERVER_ARGS, "--max-model-len", str(max(args.prompt_lens) + 64), *shape["extra_args"]]
+        serve = list(sb.SERVER_ARGS)
+        serve[serve.index("--max-model-len") + 1] = str(max(max(args.prompt_lens) + 64, 1024))
+        serve += shape["extra_args"]
         try:
             with PDDeployment(shape["checkpoint"], serve_args=serve, decode_speculative_config=None,
                               log_dir=args.work_dir / "logs", env={"VLLM_CPU_KVCACHE_SPACE": str(shape["kv_cache_gib"])},
@@ -216,22 +205,6 @@ def measure_length(pd: PDDeployment, model: str, n: int, repeats: int) -> dict:
     if med:
         med["gib_per_s"] = med["mib"] / 1024 / (med["xfer_ms"] / 1e3) if med["xfer_ms"] else None
     return {"prompt_tokens": n, "samples": samples, "summary": med}
-
-
-def transfer_markdown(report: dict) -> str:
-    lines = ["| shape | block | prompt tokens | KV MiB | descriptors | transfer ms (median) | GiB/s | "
-             "prefill leg ms | decode leg ms |", "|---|---|---|---|---|---|---|---|---|"]
-    for shape in report["shapes"]:
-        if shape.get("error") and not shape["rows"]:
-            lines.append(f"| {shape['label']} | – | {shape['error'][:100]} | | | | | | |")
-        for row in shape["rows"]:
-            s = row["summary"]
-            if not s:
-                continue
-            lines.append(f"| {shape['label']} | {shape.get('block_size', '–')} | {row['prompt_tokens']} | "
-                         f"{s['mib']:.1f} | {s['descriptors']:.0f} | {s['xfer_ms']:.1f} | "
-                         f"{sb.fmt(s['gib_per_s'], 2)} | {s['prefill_leg_ms']:.0f} | {s['decode_leg_ms']:.0f} |")
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

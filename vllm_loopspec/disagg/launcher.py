@@ -282,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         start_timeout_s=args.start_timeout_s)
     print(f"[pd] prefill {deployment.prefill.url}, decode {deployment.decode.url} "
           f"({'speculative-config ' + args.speculative_config}); logs in {deployment.log_dir}", flush=True)
+    for name, srv in (("prefill", deployment.prefill), ("decode", deployment.decode)):
+        env = " ".join(f"{k}={v}" for k, v in srv.env.items() if k.startswith(("VLLM_NIXL", "UCX_", "OMP_W", "CUDA_V")))
+        print(f"[pd] {name}: {env} {shlex.join(srv.cmd)}", flush=True)
     stop = {"now": False}
 
     def on_signal(signum, _frame):
