@@ -119,7 +119,7 @@ def serving(args) -> dict:
               "settings": {"checkpoint": str(args.checkpoint), "num_prompts": args.num_prompts,
                            "output_len": args.output_len, "rates": [sb.rate_label(r) for r in args.rates],
                            "loopspec_k": args.loopspec_k, "loopspec_d": args.loopspec_d,
-                           "server_args": list(sb.SERVER_ARGS), "command": [sys.executable, *sys.argv]},
+                           "server_args": list(sb.SERVER_ARGS), "command": ["python", *sys.argv]},
               "dataset": {"file": f"{raw_dir.name}/{dataset.name}", "mix": mix}, "arms": {}}
     for arm in args.arms:
         report["arms"][arm] = run_serving_arm(arm, args, dataset, raw_dir, log_dir)
@@ -149,7 +149,7 @@ def transfer(args) -> dict:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     report = {"env": {**sb.environment(), "shared_machine": args.shared_note},
               "settings": {"prompt_lens": args.prompt_lens, "repeats": args.repeats,
-                           "command": [sys.executable, *sys.argv]}, "shapes": []}
+                           "command": ["python", *sys.argv]}, "shapes": []}
     for shape in transfer_shapes(args):
         print(f"[pd_bench] transfer: {shape['label']}", flush=True)
         entry = {**shape, "rows": []}

@@ -351,7 +351,7 @@ def pd_serving_table(report: dict) -> str:
 
 
 def pd_transfer_table(report: dict) -> str:
-    lines = ["| shape | block | prompt tokens | KV MiB | descriptors | transfer ms (median) | GiB/s | "
+    lines = ["| shape | block | prompt tokens | KV MiB | descriptors | transfer ms (median) | MiB/s | "
              "prefill leg ms | decode leg ms |", "|---|---|---|---|---|---|---|---|---|"]
     for shape in report["shapes"]:
         if shape.get("error") and not shape["rows"]:
@@ -362,7 +362,7 @@ def pd_transfer_table(report: dict) -> str:
                 continue
             lines.append(f"| {shape['label']} | {shape.get('block_size', '–')} | {row['prompt_tokens']} | "
                          f"{s['mib']:.1f} | {s['descriptors']:.0f} | {s['xfer_ms']:.1f} | "
-                         f"{fmt(s['gib_per_s'], 2)} | {s['prefill_leg_ms']:.0f} | {s['decode_leg_ms']:.0f} |")
+                         f"{fmt(s['gib_per_s'] and s['gib_per_s'] * 1024, 1)} | {s['prefill_leg_ms']:.0f} | {s['decode_leg_ms']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
