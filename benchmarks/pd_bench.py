@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -133,13 +134,15 @@ def serving(args) -> dict:
 def transfer_shapes(args) -> list[dict]:
     from vllm_loopspec.tools.make_checkpoint import make_checkpoint
 
-    shapes = [{"label": "bundled (N=2, R=4, 2 KV heads x 64)", "checkpoint": str(args.checkpoint),
-               "extra_args": [], "kv_cache_gib": 1}]
+    shapes = [] if args.skip_bundled else [{"label": "bundled (N=2, R=4, 2 KV heads x 64)",
+                                            "checkpoint": str(args.checkpoint), "extra_args": [], "kv_cache_gib": 1}]
     if args.ouro_1p4b_layers:
         ckpt = make_checkpoint(args.work_dir / "ouro-1.4b-config", preset="ouro-1.4b", config_only=True)
         for n in args.ouro_1p4b_layers:
             shapes.append({"label": f"Ouro-1.4B width, N={n}, R=4 (dummy weights)", "checkpoint": str(ckpt),
-                           "extra_args": ["--load-format", "dummy", "--hf-overrides",
+                           # the bundled tokenizer (4096 ids < the model's vocabulary): text warm-up
+                           "extra_args": ["--load-format", "dummy", "--tokenizer", str(args.checkpoint),
+                                          "--hf-overrides",
                                           json.dumps({"num_hidden_layers": n})],
                            "kv_cache_gib": args.ouro_kv_gib})
     return shapes
@@ -150,6 +153,12 @@ def transfer(args) -> dict:
     report = {"env": {**sb.environment(), "shared_machine": args.shared_note},
               "settings": {"prompt_lens": args.prompt_lens, "repeats": args.repeats,
                            "command": ["python", *sys.argv]}, "shapes": []}
+    out = args.out_dir / "pd_transfer.json"
+    if args.append and out.exists():
+        earlier = json.loads(out.read_text())
+        report["shapes"] = earlier["shapes"]
+        report["settings"]["earlier_commands"] = [earlier["settings"]["command"],
+                                                  *earlier["settings"].get("earlier_commands", [])]
     for shape in transfer_shapes(args):
         print(f"[pd_bench] transfer: {shape['label']}", flush=True)
         entry = {**shape, "rows": []}
@@ -225,7 +234,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "pd_bench")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--shared-note", default=SHARED_NOTE)
+    p.add_argument("--skip-bundled", action="store_true", help="transfer: only the Ouro-1.4B-width shapes")
+    p.add_argument("--append", action="store_true", help="transfer: add to the shapes of pd_transfer.json")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     args.checkpoint = args.checkpoint.resolve()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     serving(args) if args.mode == "serving" else transfer(args)
