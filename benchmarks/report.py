@@ -7,7 +7,8 @@ Inputs (each section is skipped with a note when its file is missing):
 ``kv_sweep.json`` (offline grid), ``kv_sweep_<set>.json`` (per prompt set),
 ``serving.json`` (``vllm bench serve``), ``cost_curve.json`` (loop cost vs
 rows), ``adaptive_sweep.json`` and ``adaptive_burst.json`` (the adaptive
-policy), and the hand-written ``findings.md`` placed at the top of the page.
+policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``), and
+the hand-written ``findings.md`` placed at the top of the page.
 """
 
 from __future__ import annotations
@@ -340,6 +341,61 @@ def plot_latency_cdfs(rec: dict) -> str:
     return name
 
 
+# -- disaggregated prefill/decode (benchmarks/pd_bench.py) ---------------------------
+
+def pd_serving_table(report: dict) -> str:
+    lines = ["| arm | rate (req/s) | TTFT p50 / p99 | ITL p50 / p99 | E2EL p50 / p99 | out tok/s | "
+             "decode prompt tokens by transfer / computed |", "|---|---|---|---|---|---|---|"]
+    for arm, res in report["arms"].items():
+        if not res.get("rates"):
+            lines.append(f"| {arm} | – | {res.get('error', 'not run')[:100]} | | | | |")
+        for rate, r in res.get("rates", {}).items():
+            lat = " | ".join(f"{fmt(r[f'{m}_ms']['p50'], 0)} / {fmt(r[f'{m}_ms']['p99'], 0)}"
+                             for m in ("ttft", "itl", "e2el"))
+            src = r["decode_prompt_tokens"]
+            lines.append(f"| {arm} | {rate} | {lat} | {fmt(r['output_throughput'], 1)} | "
+                         f"{int(src['external_kv_transfer'])} / {int(src['local_compute'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def pd_transfer_table(report: dict) -> str:
+    lines = ["| shape | block | prompt tokens | KV MiB | descriptors | transfer ms (median) | MiB/s | "
+             "prefill leg ms | decode leg ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for shape in report["shapes"]:
+        if shape.get("error") and not shape["rows"]:
+            lines.append(f"| {shape['label']} | – | {shape['error'][:100]} | | | | | | |")
+        for row in shape["rows"]:
+            s = row["summary"]
+            if not s:
+                continue
+            lines.append(f"| {shape['label']} | {shape.get('block_size', '–')} | {row['prompt_tokens']} | "
+                         f"{s['mib']:.1f} | {s['descriptors']:.0f} | {s['xfer_ms']:.1f} | "
+                         f"{fmt(s['gib_per_s'] and s['gib_per_s'] * 1024, 1)} | {s['prefill_leg_ms']:.0f} | {s['decode_leg_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def pd_section(serving: dict | None, transfer: dict | None) -> list[str]:
+    lines = []
+    note = (serving or transfer or {}).get("env", {}).get("shared_machine")
+    if note:
+        lines += [f"**Noisy**: {note}.", ""]
+    if serving:
+        s = serving["settings"]
+        lines += [f"`{as_text(s['command'])}` ({serving['env']['timestamp']}): {s['num_prompts']} prompts "
+                  f"(the serving mix), {s['output_len']} output tokens, greedy, Poisson arrivals at each rate; "
+                  f"`vllm bench serve` against the router (P/D) or the server. loopspec K={s['loopspec_k']}, "
+                  f"d={s['loopspec_d']}. Latencies in ms; ITL per streamed chunk. On this 2-core machine the "
+                  "prefill and decode instances share the cores one colocated server has to itself.", ""]
+        lines += pd_serving_table(serving).splitlines() + [""]
+    if transfer:
+        lines += [f"KV transfer cost: `{as_text(transfer['settings']['command'])}` "
+                  f"({transfer['env']['timestamp']}): sequential token-id prompts, max_tokens=1, medians of "
+                  f"{transfer['settings']['repeats']}; transfer time, bytes and descriptors from the decode "
+                  "instance's `vllm:nixl_*` metrics, legs timed by the client.", ""]
+        lines += pd_transfer_table(transfer).splitlines() + [""]
+    return lines or ["(no P/D run recorded)"]
+
+
 # -- page ---------------------------------------------------------------------
 
 def adaptive_section(rec: dict) -> list[str]:
@@ -459,6 +515,9 @@ def main() -> None:
     lines += prompt_set_table() + [""]
     lines += ["## Serving (`vllm serve` + `vllm bench serve`)", ""]
     lines += serving_section(serving) if serving else ["(no serving run recorded)"]
+    lines += ["", "## Disaggregated prefill/decode (`benchmarks/pd_bench.py`)", ""]
+    pd_serving, pd_transfer = load("pd_serving.json"), load("pd_transfer.json")
+    lines += pd_section(pd_serving, pd_transfer)
     lines += ["", "## Cost curve: one loop pass vs rows", ""]
     lines += cost_curve_section(curve, sweep) if curve else ["(no cost-curve run recorded)"]
     lines += ["", "## How to rerun", "", "```",
@@ -471,6 +530,9 @@ def main() -> None:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
         lines.append(as_text(serving["settings"]["command"]))
+    for rec in (pd_serving, pd_transfer):
+        if rec:
+            lines.append(as_text(rec["settings"]["command"]))
     lines += [".venv/bin/python benchmarks/report.py", "```", ""]
     PAGE.write_text("\n".join(lines))
     print(f"wrote {PAGE}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,64 +28,21 @@ def vllm_command() -> str:
     return str(exe) if exe.exists() else (shutil.which("vllm") or "vllm")
 
 
-class VllmServer:
-    """``vllm serve CKPT ARGS`` on 127.0.0.1; a context manager."""
+class ServerClient:
+    """The OpenAI HTTP API and ``/metrics`` of a server at ``url``."""
 
-    def __init__(self, checkpoint: str | Path, *args: str, port: int | None = None,
-                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [vllm_command(), "serve", str(checkpoint), "--host", "127.0.0.1",
-                    "--port", str(self.port), *args]
-        self.log_path = Path(log_path) if log_path else None
-        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                    **(env or {})}
-        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "VllmServer":
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        self.wait_healthy()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def wait_healthy(self, timeout: float = 600.0) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc and self.proc.poll() is not None:
-                tail = self.log_path.read_text()[-3000:] if self.log_path else ""
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm serve not healthy after {timeout}s: {' '.join(self.cmd)}")
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
 
     # -- requests --------------------------------------------------------------
     def model_name(self) -> str:
         with urllib.request.urlopen(self.url + "/v1/models") as r:
             return json.load(r)["data"][0]["id"]
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
     def stream(self, path: str, body: dict) -> Iterator[dict]:
@@ -104,3 +62,64 @@ class VllmServer:
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics") as r:
             return r.read().decode()
+
+
+class VllmServer(ServerClient):
+    """``vllm serve CKPT ARGS`` on 127.0.0.1; a context manager."""
+
+    def __init__(self, checkpoint: str | Path, *args: str, port: int | None = None,
+                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        super().__init__(f"http://127.0.0.1:{self.port}")
+        self.cmd = [vllm_command(), "serve", str(checkpoint), "--host", "127.0.0.1",
+                    "--port", str(self.port), *args]
+        self.log_path = Path(log_path) if log_path else None
+        self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    **(env or {})}
+        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        self.wait_healthy()
+        return self
+
+    def start(self) -> None:
+        """Start the child without waiting for it (``wait_healthy`` waits)."""
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the child's process group (its own session: the API server
+        and its engine core), as a crash would; for fault tests."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=60)
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                tail = self.log_path.read_text()[-3000:] if self.log_path else ""
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{tail}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm serve not healthy after {timeout}s: {' '.join(self.cmd)}")

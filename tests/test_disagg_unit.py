@@ -1,0 +1,40 @@
+"""The P/D router's prefill leg and the handoff contract's comparison, without
+an engine (the end-to-end behaviour is tests/test_disagg.py)."""
+
+from vllm_loopspec.disagg.contract import HandoffContractError, check_pair, mismatches
+from vllm_loopspec.disagg.launcher import kv_transfer_config
+from vllm_loopspec.disagg.router import prefill_body
+
+import pytest
+
+CONTRACT = {"model": "/ckpt", "architecture": "OuroForCausalLM", "total_ut_steps": 4, "num_hidden_layers": 2,
+            "num_kv_heads": 2, "head_dim": 64, "block_size": 128, "kv_dtype": "float32"}
+
+
+def test_prefill_leg_is_one_unstreamed_token_with_kv_kept_for_remote_decode():
+    body = {"model": "m", "prompt": "x", "max_tokens": 64, "max_completion_tokens": 64, "min_tokens": 8,
+            "stream": True, "stream_options": {"include_usage": True}, "seed": 3, "temperature": 0.7}
+    leg = prefill_body(body)
+    assert leg["max_tokens"] == 1 and leg["max_completion_tokens"] == 1
+    assert "stream" not in leg and "stream_options" not in leg and "min_tokens" not in leg
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True
+    assert leg["kv_transfer_params"]["do_remote_prefill"] is False
+    assert (leg["seed"], leg["temperature"]) == (3, 0.7)
+    assert body["max_tokens"] == 64 and body["stream"] is True  # the decode leg's body is untouched
+
+
+def test_contract_names_every_mismatch():
+    other = {**CONTRACT, "total_ut_steps": 3, "kv_dtype": "bfloat16"}
+    assert mismatches(CONTRACT, CONTRACT) == []
+    assert mismatches(CONTRACT, other) == ["total_ut_steps: prefill 4 != decode 3",
+                                           "kv_dtype: prefill 'float32' != decode 'bfloat16'"]
+    with pytest.raises(HandoffContractError, match="total_ut_steps: prefill 4 != decode 3; kv_dtype"):
+        check_pair(CONTRACT, other, "test")
+
+
+def test_kv_transfer_configs():
+    assert kv_transfer_config("kv_producer", cuda=False) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    consumer = kv_transfer_config("kv_consumer", cuda=True, lease_s=8)
+    assert consumer["kv_load_failure_policy"] == "recompute" and consumer["kv_buffer_device"] == "cuda"
+    assert consumer["kv_connector_extra_config"] == {"kv_lease_duration": 8}

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_loopspec.disagg.launcher import main
+
+sys.exit(main())
