@@ -23,11 +23,16 @@ patches, numbered in the comments and docstrings below:
 8. ``vllm.v1.worker.cpu_worker.CPUModelRunner``, swapped for the duration of
    ``CPUWorker.init_device``, which builds its runner from that module
    global (:func:`cpu_worker_builds`; the GPU worker has a method to override).
+9. ``prometheus_client.multiprocess.MultiProcessCollector.collect`` (the
+   only collector vLLM's ``/metrics`` reads when it runs several API server
+   processes), so that loopspec's counters reach ``/metrics`` there too
+   (:func:`expose_in_multiprocess_registry`);
 
 Patches 1, 2 and 7 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
 method (ngram, suffix and native decoding hit them too); 8 is used only by
-the loopspec CPU worker. The worker classes themselves are vLLM's documented
+the loopspec CPU worker; 9 only in the API server processes of a server
+with ``--api-server-count > 1``. The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -56,6 +61,17 @@ DEBUG_DRAFTER_CLASS = "vllm_loopspec.speculative.debug.DebugLoopSpecDrafter"
 DEBUG_ENV = "VLLM_LOOPSPEC_DEBUG"
 CPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecCPUWorker"
 GPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecGPUWorker"
+
+# Why loopspec refuses --pipeline-parallel-size > 1 and what to use instead
+# (figures: benchmarks/RESULTS.md, "Beyond one device").
+PIPELINE_PARALLEL_REFUSAL = (
+    "loopspec does not run with pipeline parallelism (--pipeline-parallel-size > 1): every draft "
+    "token of a round needs the logits of the last layer before the next draft can start on the "
+    "first, so a round would cross the pipeline once per draft tick with every other stage idle. "
+    "Use --tensor-parallel-size to split the model within a node and --data-parallel-size (one "
+    "replica per node, --data-parallel-backend ray across nodes) to scale out; or serve with "
+    "pipeline parallelism and no --speculative-config."
+)
 
 _applied = False
 logger = init_logger(__name__)
@@ -86,11 +102,8 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         target_model_config.hf_config,
         getattr(target_model_config, "architectures", None),
     )
-    if target_parallel_config.pipeline_parallel_size > 1 or target_parallel_config.tensor_parallel_size > 1:
-        raise LoopSpecConfigError(
-            "loopspec runs with tensor_parallel_size=1 and pipeline_parallel_size=1 "
-            "for now; drop --tensor-parallel-size/--pipeline-parallel-size."
-        )
+    if target_parallel_config.pipeline_parallel_size > 1:
+        raise LoopSpecConfigError(PIPELINE_PARALLEL_REFUSAL)
     if engine_args.async_scheduling:
         raise LoopSpecConfigError(
             "loopspec rounds are synchronous in this release; remove --async-scheduling."
@@ -336,6 +349,37 @@ def cpu_worker_builds(runner_class):
         yield
     finally:
         cpu_worker.CPUModelRunner = original
+
+
+def expose_in_multiprocess_registry(collector) -> None:
+    """Patch 9 — ``prometheus_client.multiprocess.MultiProcessCollector.collect``,
+    in the API server processes of a server with ``--api-server-count > 1``.
+
+    With several API server processes (vLLM's default with
+    ``--data-parallel-size``), vLLM switches prometheus_client to
+    multiprocess mode, and the ``/metrics`` handler it installs
+    (``prometheus_fastapi_instrumentator``'s ``expose``) builds a fresh
+    registry per scrape holding only a ``MultiProcessCollector``: collectors
+    registered anywhere else (loopspec's) never reach ``/metrics``, and no
+    vLLM hook reaches that registry. Make the multiprocess collector of this
+    process also yield ``collector``'s families. Applied only where
+    ``PROMETHEUS_MULTIPROC_DIR`` is set (otherwise ``/metrics`` reads the
+    global registry, where :func:`metrics.enable_in_frontend` registers the
+    collector)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None:
+        return
+    from prometheus_client import multiprocess
+
+    original = multiprocess.MultiProcessCollector.collect
+    if getattr(original, "_loopspec_wrapped", False):
+        return
+
+    def collect(self):
+        yield from original(self)
+        yield from collector.collect()
+
+    collect._loopspec_wrapped = True
+    multiprocess.MultiProcessCollector.collect = collect
 
 
 def apply() -> None:
