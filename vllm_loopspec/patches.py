@@ -27,12 +27,16 @@ patches, numbered in the comments and docstrings below:
    only collector vLLM's ``/metrics`` reads when it runs several API server
    processes), so that loopspec's counters reach ``/metrics`` there too
    (:func:`expose_in_multiprocess_registry`);
+10. ``CpuPlatform.ray_device_key`` and the Ray runtime env of CPU engines
+   that select Ray, so that ``--distributed-executor-backend ray`` runs on CPU, each worker
+   taking one unit of a declared Ray resource (:func:`run_ray_executor_on_cpu`);
 
 Patches 1, 2 and 7 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
 method (ngram, suffix and native decoding hit them too); 8 is used only by
 the loopspec CPU worker; 9 only in the API server processes of a server
-with ``--api-server-count > 1``. The worker classes themselves are vLLM's documented
+with ``--api-server-count > 1``; 10 on CPU (its runtime-env half only in
+engines that select Ray). The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -382,6 +386,74 @@ def expose_in_multiprocess_registry(collector) -> None:
     multiprocess.MultiProcessCollector.collect = collect
 
 
+# Patch 10: the Ray resource each vLLM CPU worker takes (one unit per worker);
+# a CPU node offers as many as it hosts workers: ray start --resources='{"vllm_cpu_worker": 2}'.
+RAY_CPU_RESOURCE = "vllm_cpu_worker"
+RAY_WORKER_SETUP_HOOK = "vllm_loopspec.patches.setup_ray_cpu_worker_process"
+
+
+def ray_cpu_node_and_ids(self) -> tuple[str, list[int]]:
+    """``RayWorkerProc.get_node_and_physical_gpu_ids`` of a CPU worker: its
+    node, and its rank as the id of the slot it holds (CPU workers pin
+    threads by local rank, not by device id)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), [int(self._init_kwargs["rank"])]
+
+
+def setup_ray_cpu_worker_process() -> None:
+    """Ray ``worker_process_setup_hook`` of vLLM's CPU worker actors (patch
+    10, actor side): runs when the actor's process starts, before vLLM's
+    actor class is loaded in it (vLLM loads plugins only later, in the
+    worker's ``init_worker``)."""
+    from vllm_loopspec import register
+
+    register()
+    from vllm.v1.executor import ray_executor_v2
+
+    ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids = ray_cpu_node_and_ids
+
+
+def run_ray_executor_on_cpu() -> None:
+    """Patch 10 — ``CpuPlatform.ray_device_key`` (every process), and the
+    Ray runtime env of CPU engines that select Ray
+    (:func:`add_ray_cpu_worker_setup_hook`, from patch 2's wrapper).
+
+    vLLM 0.32 refuses ``--distributed-executor-backend ray`` on CPU only
+    because ``CpuPlatform.ray_device_key`` is empty (``ray_utils``: "current
+    platform cpu does not support ray"). Ray's own ``CPU`` resource cannot
+    stand in (vLLM asks for the device key through ``resources=``, which Ray
+    refuses for ``CPU``), so a CPU worker takes one unit of the custom
+    resource :data:`RAY_CPU_RESOURCE`, which each CPU node declares for the
+    workers it hosts. The worker actors then ask Ray for their accelerator
+    ids, which custom resources do not have: their runtime env gets
+    :func:`setup_ray_cpu_worker_process` as setup hook, which answers with
+    the worker's rank. CPU platform only; only Ray code reads the key."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform_class = type(current_platform)
+    if not platform_class.ray_device_key:
+        platform_class.ray_device_key = RAY_CPU_RESOURCE
+
+
+def add_ray_cpu_worker_setup_hook(parallel_config) -> None:
+    """Patch 10, engine side: a CPU engine with the Ray executor runs
+    :func:`setup_ray_cpu_worker_process` in each of its Ray worker processes
+    (``ParallelConfig.ray_runtime_env``, which vLLM hands to ``ray.init`` and
+    to its worker actors)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or parallel_config.distributed_executor_backend != "ray":
+        return
+    from ray.runtime_env import RuntimeEnv
+
+    env = dict(parallel_config.ray_runtime_env or {})
+    env.setdefault("worker_process_setup_hook", RAY_WORKER_SETUP_HOOK)
+    parallel_config.ray_runtime_env = RuntimeEnv(**env)
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
@@ -389,6 +461,7 @@ def apply() -> None:
         return
     guard_kernel_rebind_scan()
     fix_top_k_only_on_empty_batch()
+    run_ray_executor_on_cpu()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 
@@ -413,6 +486,7 @@ def apply() -> None:
     original_create = EngineArgs.create_speculative_config
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
+        add_ray_cpu_worker_setup_hook(target_parallel_config)  # patch 10
         if is_loopspec(self.speculative_config):
             translate_loopspec(self, target_model_config, target_parallel_config)
         return original_create(self, target_model_config, target_parallel_config)
