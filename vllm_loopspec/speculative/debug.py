@@ -206,7 +206,9 @@ def check_same_drafts_on_every_tp_rank(draft_token_ids: torch.Tensor) -> None:
     group = get_tp_group()
     if group.world_size == 1:
         return
-    flat = draft_token_ids.reshape(-1).to(torch.int64).contiguous()
+    # float32 holds token ids exactly (< 2**24), and vLLM's CPU shared-memory
+    # all-gather has no integer kernels.
+    flat = draft_token_ids.reshape(-1).to(torch.float32).contiguous()
     gathered = group.all_gather(flat, dim=0).view(group.world_size, -1)
     if not bool((gathered == gathered[0]).all()):
         raise TensorParallelDraftMismatch(
