@@ -116,8 +116,11 @@ def _serve(checkpoint, arm: str, log: Path, extra_env: dict | None = None) -> Vl
     return VllmServer(checkpoint, *args, log_path=log, env={**env, **(extra_env or {})})
 
 
-def _complete_all(srv: VllmServer, prompts, temperature: float = 0.0, seeds=None) -> list[list[int]]:
-    """All prompts at once (one batch of concurrent requests)."""
+def _complete_all(srv: VllmServer, prompts, temperature: float = 0.0, seeds=None,
+                  replicas: int | None = None) -> list[list[int]]:
+    """All prompts at once (one batch of concurrent requests); with
+    ``replicas``, request ``i`` goes to data-parallel rank ``i % replicas``
+    (vLLM's ``X-data-parallel-rank`` header)."""
     model = srv.model_name()
 
     def one(i):
@@ -125,7 +128,8 @@ def _complete_all(srv: VllmServer, prompts, temperature: float = 0.0, seeds=None
                 "ignore_eos": True, "return_token_ids": True}
         if seeds is not None and seeds[i] is not None:
             body["seed"] = seeds[i]
-        return srv.post("/v1/completions", body)["choices"][0]["token_ids"]
+        headers = {"X-data-parallel-rank": str(i % replicas)} if replicas else None
+        return srv.post("/v1/completions", body, headers)["choices"][0]["token_ids"]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -171,9 +175,11 @@ def test_tp2_sampled_drafts_are_the_same_on_every_rank(tp2_greedy):
 def test_dp2_greedy_loopspec_equals_native_with_both_replicas_speculating(tiny_checkpoint, tmp_path,
                                                                             native_reference):
     """Two replicas behind one server (vLLM's default of one API server per
-    replica: loopspec's counters must reach /metrics from either)."""
+    replica: loopspec's counters must reach /metrics from either). vLLM's
+    balancer may send a small burst to one replica, so the requests name
+    their replica, half each."""
     with _serve(tiny_checkpoint, "dp2-loopspec", tmp_path / "serve.log") as srv:
-        greedy = _complete_all(srv, PROMPTS)
+        greedy = _complete_all(srv, PROMPTS, replicas=2)
         counters = _replicas_after_flush(srv)
         text = srv.metrics()
     assert greedy == native_reference

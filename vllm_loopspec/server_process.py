@@ -81,9 +81,9 @@ class VllmServer:
         with urllib.request.urlopen(self.url + "/v1/models") as r:
             return json.load(r)["data"][0]["id"]
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict, headers: dict[str, str] | None = None) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.load(r)
 
