@@ -150,7 +150,8 @@ def tp2_greedy(tiny_checkpoint, tmp_path_factory):
         after_greedy = _replicas_after_flush(srv)
         sampled = _complete_all(srv, PROMPTS, temperature=0.8, seeds=[i if i % 2 else None for i in range(10)])
         after_sampled = _replicas_after_flush(srv)
-    return {"greedy": greedy, "sampled": sampled, "after_greedy": after_greedy, "after_sampled": after_sampled}
+    return {"greedy": greedy, "sampled": sampled, "after_greedy": after_greedy, "after_sampled": after_sampled,
+            "log": log.read_text(errors="replace")}
 
 
 @pytest.mark.slow
@@ -166,6 +167,7 @@ def test_tp2_sampled_drafts_are_the_same_on_every_rank(tp2_greedy):
     """The debug drafter all-gathers each round's drafts and stops the
     engine if the ranks differ: a sampled batch (seeded and unseeded
     requests) that completes drafted alike on both ranks."""
+    assert "debug.DebugLoopSpecDrafter" in tp2_greedy["log"]  # the drafter with the check
     assert all(len(t) == MAX_TOKENS for t in tp2_greedy["sampled"])
     before, after = tp2_greedy["after_greedy"]["0"], tp2_greedy["after_sampled"]["0"]
     assert after["rounds"] > before["rounds"]
