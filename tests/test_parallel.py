@@ -145,7 +145,7 @@ def tp2_greedy(tiny_checkpoint, tmp_path_factory):
     """TP=2 loopspec (mp executor): greedy tokens of every prompt, then a
     sampled batch, and the counters after each."""
     log = tmp_path_factory.mktemp("tp2") / "serve.log"
-    with _serve(tiny_checkpoint, "tp2-loopspec", log) as srv:
+    with _serve(tiny_checkpoint, "tp2-loopspec", log, {"VLLM_LOGGING_LEVEL": "INFO"}) as srv:
         greedy = _complete_all(srv, PROMPTS)
         after_greedy = _replicas_after_flush(srv)
         sampled = _complete_all(srv, PROMPTS, temperature=0.8, seeds=[i if i % 2 else None for i in range(10)])
