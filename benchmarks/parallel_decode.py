@@ -130,7 +130,7 @@ def run_arm(checkpoint: str | Path, arm: str, prompts: list, output_len: int, co
     return {
         "arm": arm, "args": args, "env": env, "num_prompts": len(prompts), "output_len": output_len,
         "concurrency": concurrency, "wall_s": round(wall, 4), "output_tok_s": round(tokens / wall, 2),
-        "replicas": replica_counters(metrics), "outputs": outputs,
+        "replicas": replica_counters(metrics), "outputs": outputs, "load_avg": round(os.getloadavg()[0], 1),
     }
 
 
@@ -163,7 +163,7 @@ def main() -> None:
         arms[arm] = {
             "args": first["args"], "env": first["env"],
             "output_tok_s": rates[len(rates) // 2], "output_tok_s_runs": [r["output_tok_s"] for r in results],
-            "replicas": first["replicas"],
+            "replicas": first["replicas"], "load_avg": first.get("load_avg"),
             "same_tokens_as_" + args.arms[0]: all(r["outputs"] == reference for r in results),
         }
     out = {

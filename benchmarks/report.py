@@ -347,15 +347,18 @@ def parallel_section(rec: dict) -> list[str]:
              f"**Caveat: this machine has {rec['machine']['cpus']} cores.** TP=2 and DP=2 give each worker "
              "one core where TP=1 threads over both, so these figures measure the cost of the parallel code "
              "paths (all-reduces per layer, one all-gather per draft, replica routing), not the scaling a "
-             "host with a device per worker would see.", "",
-             f"| arm | output tok/s | vs {base} | runs | tokens = {base} | loopspec rounds per replica |",
-             "|---|---|---|---|---|---|"]
+             "host with a device per worker would see. The machine is shared: other engines running "
+             "during an arm change its figure by up to several times (the 1-minute load average at the "
+             "end of each arm is recorded where available), so read the token equality and the rounds "
+             "per replica as the result, and the rates as one noisy sample.", "",
+             f"| arm | output tok/s | vs {base} | runs | tokens = {base} | loopspec rounds per replica | load |",
+             "|---|---|---|---|---|---|---|"]
     ref = rec["arms"][base]["output_tok_s"]
     for arm, entry in rec["arms"].items():
         rounds = ", ".join(f"{e}: {int(c.get('rounds', 0))}" for e, c in sorted(entry["replicas"].items())) or "–"
         lines.append(f"| {arm} | {entry['output_tok_s']:.1f} | {entry['output_tok_s'] / ref:.2f}× "
                      f"| {', '.join(f'{r:.0f}' for r in entry['output_tok_s_runs'])} "
-                     f"| {'yes' if entry[same_key] else 'no'} | {rounds} |")
+                     f"| {'yes' if entry[same_key] else 'no'} | {rounds} | {fmt(entry.get('load_avg'), 1)} |")
     return lines
 
 
