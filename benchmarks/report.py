@@ -354,11 +354,14 @@ def parallel_section(rec: dict) -> list[str]:
              f"| arm | output tok/s | vs {base} | runs | tokens = {base} | loopspec rounds per replica | load |",
              "|---|---|---|---|---|---|---|"]
     ref = rec["arms"][base]["output_tok_s"]
+    if rec.get("note"):
+        lines[-2:-2] = [rec["note"], ""]
     for arm, entry in rec["arms"].items():
         rounds = ", ".join(f"{e}: {int(c.get('rounds', 0))}" for e, c in sorted(entry["replicas"].items())) or "–"
         lines.append(f"| {arm} | {entry['output_tok_s']:.1f} | {entry['output_tok_s'] / ref:.2f}× "
                      f"| {', '.join(f'{r:.0f}' for r in entry['output_tok_s_runs'])} "
-                     f"| {'yes' if entry[same_key] else 'no'} | {rounds} | {fmt(entry.get('load_avg'), 1)} |")
+                     f"| {'–' if entry.get(same_key) is None else 'yes' if entry[same_key] else 'no'} | {rounds} "
+                     f"| {fmt(entry.get('load_avg'), 1)} |")
     return lines
 
 

@@ -130,9 +130,14 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
             f"loopspec brings its own worker ({worker}); remove --worker-cls "
             f"{target_parallel_config.worker_cls}."
         )
-    from vllm_loopspec.speculative.metrics import enable_in_frontend
+    from vllm_loopspec.speculative.metrics import ENV_DIR, enable_in_frontend
 
     enable_in_frontend()
+    if target_parallel_config.distributed_executor_backend == "ray":
+        # Ray workers inherit their node's environment, not the front end's:
+        # name the snapshot directory in their runtime env (it is local to
+        # this node: workers on other nodes cannot reach it; see README).
+        update_ray_runtime_env(target_parallel_config, env_vars={ENV_DIR: os.environ[ENV_DIR]})
     target_parallel_config.worker_cls = worker
     engine_args.worker_cls = worker
     additional = dict(engine_args.additional_config or {})
@@ -447,10 +452,20 @@ def add_ray_cpu_worker_setup_hook(parallel_config) -> None:
 
     if not current_platform.is_cpu() or parallel_config.distributed_executor_backend != "ray":
         return
+    update_ray_runtime_env(parallel_config, worker_process_setup_hook=RAY_WORKER_SETUP_HOOK)
+
+
+def update_ray_runtime_env(parallel_config, env_vars: dict[str, str] | None = None, **fields) -> None:
+    """Add ``fields`` (kept where the user set them) and ``env_vars``
+    (overriding the Ray node's environment) to the runtime env vLLM gives
+    its Ray workers."""
     from ray.runtime_env import RuntimeEnv
 
     env = dict(parallel_config.ray_runtime_env or {})
-    env.setdefault("worker_process_setup_hook", RAY_WORKER_SETUP_HOOK)
+    for key, value in fields.items():
+        env.setdefault(key, value)
+    if env_vars:
+        env["env_vars"] = {**(env.get("env_vars") or {}), **env_vars}
     parallel_config.ray_runtime_env = RuntimeEnv(**env)
 
 
