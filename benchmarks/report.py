@@ -428,7 +428,7 @@ def main() -> None:
     lines += ["", "Pipeline parallelism stays refused for loopspec: a round's draft ticks are sequential "
               "through every layer (the last stage's logits pick the next draft, which then enters the first "
               "stage), so under PP=2 each of the K draft ticks would cross the pipeline with the other stage "
-              "idle, on top of the cost native PP already shows above; vLLM's PP also runs each stage once per "
+              "idle (the pp2-native arm, when recorded, shows what native PP costs here); vLLM's PP also runs each stage once per "
               "step, so the round would need K+1 stage exchanges inside one step. Use TP within a node, DP "
               "across nodes."]
     lines += ["", "## How to rerun", "", "```",

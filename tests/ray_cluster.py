@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,11 @@ class LocalRayCluster:
         self.args = [sys.executable, "-c", _CHILD, str(num_cpus), json.dumps(resources), self.temp_dir]
         self.proc: subprocess.Popen | None = None
         self.env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-                    "RAY_USAGE_STATS_ENABLED": "0"}
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    # Ray's memory monitor kills workers once the node is 95% full,
+                    # which a machine shared with other engines reaches; leave
+                    # memory to the kernel, as the mp executor does.
+                    "RAY_memory_monitor_refresh_ms": "0"}
 
     def __enter__(self) -> dict[str, str]:
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -52,3 +57,4 @@ class LocalRayCluster:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

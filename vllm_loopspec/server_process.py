@@ -46,7 +46,11 @@ class VllmServer:
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()  # never leave a server behind that did not come up in time
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
