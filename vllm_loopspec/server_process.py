@@ -39,9 +39,9 @@ class ServerClient:
         with urllib.request.urlopen(self.url + "/v1/models") as r:
             return json.load(r)["data"][0]["id"]
 
-    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+    def post(self, path: str, body: dict, timeout: float = 600.0, headers: dict[str, str] | None = None) -> dict:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
@@ -81,7 +81,11 @@ class VllmServer(ServerClient):
 
     def __enter__(self) -> "VllmServer":
         self.start()
-        self.wait_healthy()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()  # never leave a server behind that did not come up in time
+            raise
         return self
 
     def start(self) -> None:

@@ -10,6 +10,11 @@ set it). All hooks are off (``None``) until a caller sets them:
   "positions", "slots"}}`` (tokens are ``[A, c_1..c_K]``);
 * ``profile``: a dict; each round adds wall seconds per phase ("plan",
   "base", "draft", "draft_logits", "draft_choose", "draft_host", "verify").
+
+Always on with tensor parallelism: after each round the drafts every TP rank
+hands to vLLM (and wrote into its KV shard) are compared across the group,
+and a rank that drafted differently stops the engine
+(:class:`TensorParallelDraftMismatch`).
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
             # compute inside them (layers, lm_head, embedding).
             draft_wall = total - model.base_seconds - model.verify_seconds
             self._add("draft_host", draft_wall - model.draft_compute_seconds)
+
+    # -- tensor parallelism ----------------------------------------------------
+    def hand_off(self, plan, output, chooser, spec_metadata) -> None:
+        super().hand_off(plan, output, chooser, spec_metadata)
+        check_same_drafts_on_every_tp_rank(spec_metadata.draft_token_ids)
 
     # -- draft override and trace -------------------------------------------------
     def make_chooser(self, plan):
@@ -182,3 +192,25 @@ class _ProfiledModel(_ServedModel):
         self.verify_seconds += dt
         self.drafter._add("verify", dt)
         return out
+
+
+class TensorParallelDraftMismatch(RuntimeError):
+    pass
+
+
+def check_same_drafts_on_every_tp_rank(draft_token_ids: torch.Tensor) -> None:
+    """Raise unless every rank of the tensor-parallel group drafted exactly
+    ``draft_token_ids`` (one all-gather per round; nothing with TP=1)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return
+    # float32 holds token ids exactly (< 2**24), and vLLM's CPU shared-memory
+    # all-gather has no integer kernels.
+    flat = draft_token_ids.reshape(-1).to(torch.float32).contiguous()
+    gathered = group.all_gather(flat, dim=0).view(group.world_size, -1)
+    if not bool((gathered == gathered[0]).all()):
+        raise TensorParallelDraftMismatch(
+            f"TP ranks drafted different tokens in one round (rank {group.rank_in_group} of "
+            f"{group.world_size}): {gathered.tolist()}")

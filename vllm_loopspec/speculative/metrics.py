@@ -11,6 +11,13 @@ config in the front end, loopspec creates a directory, exports it as
 spawns afterwards) and registers a Prometheus collector that sums the
 snapshots workers write there. A worker thread writes every
 ``FLUSH_SECONDS``, so ``/metrics`` lags by that; it stops with its engine.
+
+Parallel engines: the ranks of one tensor-parallel group run the same round,
+so only TP rank 0 writes (the others would count it again). Each snapshot
+names its data-parallel replica (``replica``): ``/metrics`` carries every
+counter summed over replicas (``loopspec:<name>``) and, for the scalar
+counters, one sample per replica (``loopspec:replica_<name>{engine="N"}``,
+``engine`` as in vLLM's own per-replica metrics).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ class CounterSpec:
     @property
     def prometheus_name(self) -> str:
         return f"loopspec:{self.metric or self.name}"
+
+    @property
+    def replica_name(self) -> str:
+        """Per-replica family of a scalar counter."""
+        return f"loopspec:replica_{self.metric or self.name}"
 
 
 COUNTERS = (
@@ -122,31 +134,71 @@ def empty_snapshot() -> dict:
 _collector_registered = False
 
 
+ENV_OWNER = "LOOPSPEC_METRICS_OWNER"  # pid of the front end that created ENV_DIR
+
+
+def _inherited_directory() -> str | None:
+    """The snapshot directory of the front end that started this process with
+    ``multiprocessing`` (vLLM's API server processes of ``--api-server-count
+    > 1``, the default with ``--data-parallel-size``), whose engines write
+    there; None for any other process."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    path, owner = os.environ.get(ENV_DIR), os.environ.get(ENV_OWNER)
+    if parent is None or not path or owner != str(parent.pid) or not Path(path).is_dir():
+        return None
+    return path
+
+
 def enable_in_frontend() -> None:
     """Create the snapshot directory and register the collector (idempotent)."""
     global _collector_registered
     if _collector_registered:
         return
-    # Always a fresh directory: a value inherited from a parent process (a
-    # script that itself ran engines) belongs to that process's front end.
-    path = tempfile.mkdtemp(prefix="loopspec-metrics-")
-    os.environ[ENV_DIR] = path
-    atexit.register(shutil.rmtree, path, True)
+    path = _inherited_directory()
+    if path is None:
+        # A fresh directory: a value inherited from any other parent (a
+        # script that itself ran engines) belongs to that process's front end.
+        path = tempfile.mkdtemp(prefix="loopspec-metrics-")
+        os.environ[ENV_DIR] = path
+        os.environ[ENV_OWNER] = str(os.getpid())
+        atexit.register(shutil.rmtree, path, True)
     from prometheus_client import REGISTRY
 
-    REGISTRY.register(LoopSpecCollector(Path(os.environ[ENV_DIR])))
+    from vllm_loopspec.patches import expose_in_multiprocess_registry
+
+    collector = LoopSpecCollector(Path(path))
+    REGISTRY.register(collector)
+    expose_in_multiprocess_registry(collector)
     _collector_registered = True
+
+
+REPLICA_KEY = "replica"  # data-parallel rank of the engine that wrote a snapshot
+
+
+def _snapshot_files(directory: Path):
+    for file in sorted(directory.glob("worker-*.json")):
+        try:
+            yield json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
 
 
 def read_snapshots(directory: Path) -> dict:
     total = empty_snapshot()
-    for file in sorted(directory.glob("worker-*.json")):
-        try:
-            snap = json.loads(file.read_text())
-        except (OSError, ValueError):
-            continue
+    for snap in _snapshot_files(directory):
         add_snapshots(total, snap)
     return total
+
+
+def read_snapshots_by_replica(directory: Path) -> dict[int, dict]:
+    """Counters summed per data-parallel replica (one entry per replica
+    that has written)."""
+    out: dict[int, dict] = {}
+    for snap in _snapshot_files(directory):
+        add_snapshots(out.setdefault(int(snap.get(REPLICA_KEY, 0)), empty_snapshot()), snap)
+    return out
 
 
 class LoopSpecCollector:
@@ -156,11 +208,19 @@ class LoopSpecCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily
 
-        snap = read_snapshots(self.directory)
+        replicas = read_snapshots_by_replica(self.directory)
+        snap = empty_snapshot()
+        for replica_snap in replicas.values():
+            add_snapshots(snap, replica_snap)
         for spec in COUNTERS:
             value = snap[spec.name]
             if spec.kind == "scalar":
                 yield CounterMetricFamily(spec.prometheus_name, spec.doc, value=value)
+                family = CounterMetricFamily(spec.replica_name, spec.doc + " Per data-parallel replica.",
+                                             labels=["engine"])
+                for replica, replica_snap in sorted(replicas.items()):
+                    family.add_metric([str(replica)], replica_snap[spec.name])
+                yield family
                 continue
             family = CounterMetricFamily(spec.prometheus_name, spec.doc, labels=[spec.label])
             items = enumerate(value, start=1) if spec.kind == "vector" else sorted(value.items())
@@ -176,11 +236,12 @@ class SnapshotWriter:
     ``FLUSH_SECONDS`` when they changed, off the decoding path, until
     :meth:`stop` (the runner's shutdown)."""
 
-    def __init__(self, snapshot) -> None:
-        path = os.environ.get(ENV_DIR)
+    def __init__(self, snapshot, replica: int = 0, enabled: bool = True) -> None:
+        path = os.environ.get(ENV_DIR) if enabled else None
         # One file per runner (several in-process engines share a pid).
         self.file = Path(path) / f"worker-{os.getpid()}-{id(self):x}.json" if path else None
-        self.snapshot = snapshot  # callable returning a JSON-able dict
+        self.replica = replica
+        self._stats = snapshot  # callable returning a JSON-able dict
         self.written = None
         self._stopped = threading.Event()
         self.thread = None
@@ -198,6 +259,9 @@ class SnapshotWriter:
         if self.thread is not None:
             self.thread.join(timeout=5)
         self.flush()
+
+    def snapshot(self) -> dict:
+        return {**self._stats(), REPLICA_KEY: self.replica}
 
     def flush(self) -> None:
         if self.file is None:

@@ -34,8 +34,19 @@ class LoopSpecRunnerMixin:
     """Mixed in before vLLM's V1 model runner (CPU or GPU)."""
 
     def _loopspec_setup(self) -> None:
+        from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+
         self.drafter.bind(self)
-        self._loopspec_metrics = SnapshotWriter(self.drafter.stats.as_dict)
+        # Every TP rank runs the same round; TP rank 0 of the last stage
+        # (vLLM's output rank) counts it for its data-parallel replica
+        # (data_parallel_index: vLLM resets data_parallel_rank to 0 in each
+        # replica of a dense model, which runs as an independent engine).
+        parallel = self.vllm_config.parallel_config
+        self._loopspec_metrics = SnapshotWriter(
+            self.drafter.stats.as_dict,
+            replica=getattr(parallel, "data_parallel_index", parallel.data_parallel_rank),
+            enabled=get_tensor_model_parallel_rank() == 0 and get_pp_group().is_last_rank,
+        )
         self._loopspec_spec_metadata = None
         self._loopspec_common = None
 
