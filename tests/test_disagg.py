@@ -37,6 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.5",
               "--enforce-eager", "--max-num-seqs", "16", "--seed", "0")
 KV_LEASE_S = 8  # prefill blocks nobody pulls are freed after this (vLLM's default: 30)
+# The decode side drafts a fixed K: the adaptive policy's decisions follow
+# measured step times, so a seeded stream would differ from run to run (as
+# under any change of schedule); a pinned K makes seeded streams comparable.
+FIXED_K = '{"method": "loopspec", "num_speculative_tokens": 4, "adaptive": false}'
 IDLE_TIMEOUT_S = 90.0
 OUT = 24
 
@@ -73,8 +77,18 @@ def _assert_kv_freed(*servers) -> None:
 def pd(tiny_checkpoint, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("pd")
     with PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S, log_dir=log_dir,
-                      start_timeout_s=600) as deployment:
+                      start_timeout_s=600, decode_speculative_config=FIXED_K) as deployment:
         yield deployment
+
+
+@pytest.fixture(scope="module")
+def colocated_fixed_k(tiny_checkpoint, tmp_path_factory):
+    """A colocated loopspec server with the decode side's options."""
+    from vllm_loopspec.server_process import VllmServer
+
+    log = tmp_path_factory.mktemp("colocated-fixed-k") / "serve.log"
+    with VllmServer(tiny_checkpoint, *SERVE_ARGS, "--speculative-config", FIXED_K, log_path=log) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +175,7 @@ def test_chat_streamed_through_router_equals_colocated(pd, loopspec_server):
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
-def test_seeded_sampled_pd_equals_colocated_loopspec(pd, loopspec_server, tokenizer):
+def test_seeded_sampled_pd_equals_colocated_loopspec(pd, colocated_fixed_k, tokenizer):
     """Seeded sampled requests over P/D give the colocated loopspec server's
     tokens under the same schedule. The decode instance's first step
     computes the prompt's last token, and vLLM's scheduler pads such a
@@ -172,9 +186,9 @@ def test_seeded_sampled_pd_equals_colocated_loopspec(pd, loopspec_server, tokeni
     colocated cache warmed first."""
     block = int(_cache_info(pd.decode)["block_size"])
     ids = tokenizer(long_prompt(block + 8, tokenizer))["input_ids"][: block + 1]
-    _completion(loopspec_server, ids, max_tokens=1)  # caches the first block
+    _completion(colocated_fixed_k, ids, max_tokens=1)  # caches the first block
     for seed in (1000, 1001, 1002):
-        colocated = _completion(loopspec_server, ids, seed=seed, **SAMPLED)
+        colocated = _completion(colocated_fixed_k, ids, seed=seed, **SAMPLED)
         assert _completion(pd.client, ids, seed=seed, **SAMPLED) == colocated, seed
 
 
