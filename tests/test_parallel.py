@@ -129,7 +129,7 @@ def _complete_all(srv: VllmServer, prompts, temperature: float = 0.0, seeds=None
         if seeds is not None and seeds[i] is not None:
             body["seed"] = seeds[i]
         headers = {"X-data-parallel-rank": str(i % replicas)} if replicas else None
-        return srv.post("/v1/completions", body, headers)["choices"][0]["token_ids"]
+        return srv.post("/v1/completions", body, headers=headers)["choices"][0]["token_ids"]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(one, range(len(prompts))))
