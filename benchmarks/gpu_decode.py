@@ -7,8 +7,10 @@ batches of 1 and 8 prompts (prefill excluded from the timed window, one
 warm-up, ``--repeats`` timed trials, median reported):
 
 * the bundled checkpoint in fp32: native (eager), native in vLLM's default
-  mode (compiled; plus CUDA graphs on GPU), loopspec K=4 d=2 (its rounds run
-  eagerly: the engine is forced eager until compiled rounds are proven);
+  mode (compiled; plus CUDA graphs on GPU), loopspec K=4 d=2 eager, and
+  loopspec K=4 d=2 in the default mode (on CPU: plain steps and the round's
+  ticks compiled; on CUDA the engine is forced eager until rounds are
+  captured in CUDA graphs, so that arm is eager there too);
 * Ouro-1.4B's shape in bf16 with ``load_format=dummy`` (random weights:
   acceptance is meaningless, the figures measure the cost of a round at the
   real shape): native (eager) and loopspec K=4 (eager).
@@ -72,7 +74,9 @@ def main() -> None:
     arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),
             ("ouro-stdlib fp32", "native default mode", small, dict(dtype="float32", enforce_eager=False)),
             ("ouro-stdlib fp32", "loopspec K4", small, dict(dtype="float32", enforce_eager=True,
-                                                             speculative_config=spec))]
+                                                             speculative_config=spec)),
+            ("ouro-stdlib fp32", "loopspec K4 default mode", small, dict(dtype="float32", enforce_eager=False,
+                                                                          speculative_config=spec))]
     if not args.skip_large:
         large = Path(tempfile.mkdtemp(prefix="ouro-1.4b-"))
         shutil.copy(ROOT / "configs" / "ouro-1.4b.config.json", large / "config.json")

@@ -1,5 +1,6 @@
 """vLLM's default (compiled) mode on CPU: a loopspec engine's plain steps run
-vLLM's compiled forward, its rounds the loop ranges eagerly, and greedy
+vLLM's compiled forward, its rounds the compiled tick (``OuroTick``, one
+graph for every loop, its loop groups dispatched at run time), and greedy
 output is still native's (the native engine compiled too)."""
 
 import pytest
@@ -32,6 +33,10 @@ def test_compiled_loopspec_equals_compiled_native(compiled_pair):
         want = [list(o.outputs[0].token_ids) for o in native.generate(batch, params, use_tqdm=False)]
         got = [list(o.outputs[0].token_ids) for o in spec.generate(batch, params, use_tqdm=False)]
         assert got == want
-    drafter = model_runner(spec).drafter
+    runner = model_runner(spec)
+    tick = runner.model.model.tick
+    assert not tick.do_not_compile  # rounds ran the compiled tick, compiled at startup
+    assert tick.compiled or getattr(tick, "aot_compiled_fn", None) is not None
+    drafter = runner.drafter
     assert drafter.stats.rounds > 0 and 0 < drafter.stats.accepted_tokens < drafter.stats.drafted_tokens
     assert any(max(r.drafts, default=0) == 0 for r in drafter.controller.history)  # plain steps too

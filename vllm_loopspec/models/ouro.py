@@ -18,11 +18,22 @@ rows of the tick; attention runs per group against that loop's own
 round is made of (draft with loops ``[0, d)``, verify with ``[d, R)`` from
 the kept states, or rows at several depths at once); :meth:`OuroModel.forward`
 stays the plain ``R``-loop path of native serving.
+
+Both are compiled in vLLM's compile mode, as two graphs. ``forward`` is one
+graph of ``R`` loops whose attention layers are fixed at trace time.
+:class:`OuroTick` is one graph of a single tick whose loop groups are *not*
+part of the graph: its attention is the opaque op ``tick_attention``, which
+reads the running tick's groups (set by :meth:`OuroModel.run_tick` before
+the call) and dispatches each group to its loop's ``Attention``. vLLM runs a
+compiled graph without re-checking guards, so anything baked into it must be
+the same for every call; this way one compiled tick serves every loop, every
+draft depth and every mix of loops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +59,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 
 @dataclass(frozen=True)
 class LoopGroup:
@@ -62,6 +74,48 @@ class LoopGroup:
 def kv_layer_name(loop: int, layer: int, num_layers: int) -> str:
     """vLLM layer name of the attention of ``layer`` at ``loop`` (0-based)."""
     return f"model.layers.{loop * num_layers + layer}.self_attn.attn"
+
+
+class _RunningTick:
+    """The loop groups of the tick being run (one engine process runs one
+    forward at a time)."""
+
+    groups: Sequence[LoopGroup] = ()
+
+
+_RUNNING_TICK = _RunningTick()
+
+
+@contextmanager
+def running_tick(groups: Sequence[LoopGroup]):
+    previous, _RUNNING_TICK.groups = _RUNNING_TICK.groups, tuple(groups)
+    try:
+        yield
+    finally:
+        _RUNNING_TICK.groups = previous
+
+
+def _tick_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, num_layers: int) -> torch.Tensor:
+    """Attention of ``layer`` for the running tick: each loop group's rows
+    against that loop's ``Attention`` (its own KV and metadata)."""
+    from vllm.forward_context import get_forward_context
+
+    attention = get_forward_context().no_compile_layers
+    groups = _RUNNING_TICK.groups
+    if len(groups) == 1:
+        return attention[kv_layer_name(groups[0].loop, layer, num_layers)](q, k, v)
+    return torch.cat([attention[kv_layer_name(g.loop, layer, num_layers)](q[g.start:g.end], k[g.start:g.end],
+                                                                         v[g.start:g.end])
+                      for g in groups])
+
+
+def _tick_attention_fake(q, k, v, layer, num_layers):
+    return torch.empty_like(q)
+
+
+_LIBRARY = torch.library.Library("vllm_loopspec", "FRAGMENT")
+direct_register_custom_op("tick_attention", _tick_attention, fake_impl=_tick_attention_fake,
+                          target_lib=_LIBRARY)
 
 
 class OuroMLP(nn.Module):
@@ -88,6 +142,8 @@ class OuroAttention(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         tp = get_tensor_model_parallel_world_size()
+        self.layer_index = layer_index
+        self.num_layers = config.num_hidden_layers
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = max(1, config.num_key_value_heads // tp)
@@ -124,11 +180,15 @@ class OuroAttention(nn.Module):
             for loop in range(config.total_ut_steps)
         )
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, groups: Sequence[LoopGroup]) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, groups: Sequence[LoopGroup] | None) -> torch.Tensor:
+        """``groups`` fixed by the caller (traced into a graph as they are),
+        or ``None``: the running tick's, looked up when the op runs."""
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        if len(groups) == 1:  # every row at one loop: no split
+        if groups is None:
+            attn = torch.ops.vllm_loopspec.tick_attention(q, k, v, self.layer_index, self.num_layers)
+        elif len(groups) == 1:  # every row at one loop: no split
             attn = self.attn[groups[0].loop](q, k, v)
         else:
             attn = torch.cat([self.attn[g.loop](q[g.start:g.end], k[g.start:g.end], v[g.start:g.end])
@@ -183,9 +243,24 @@ class OuroModel(nn.Module):
         self.early_exit_gate = ReplicatedLinear(
             config.hidden_size, 1, bias=True, prefix=f"{prefix}.early_exit_gate"
         )
+        from vllm.compilation.backends import set_model_tag
+
+        with set_model_tag("ouro_tick"):  # its own compile cache, apart from forward's
+            self.tick = OuroTick(model=self, vllm_config=vllm_config, prefix=f"{prefix}.tick")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
+
+    def apply_stack(
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, groups: Sequence[LoopGroup] | None
+    ) -> torch.Tensor:
+        """The layer stack and the after-loop norm over every row (``groups``
+        as in :meth:`OuroAttention.forward`)."""
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, groups, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
     def run_tick(
         self, hidden_states: torch.Tensor, positions: torch.Tensor, groups: Sequence[LoopGroup]
@@ -193,12 +268,13 @@ class OuroModel(nn.Module):
         """One tick: every row advances one loop (row ``r`` of group ``g``
         from loop ``g.loop``'s input to its normed exit state). The groups
         tile the rows in order; the current forward context holds, for each
-        group's loop, attention metadata over exactly that group's rows."""
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, groups, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        group's loop, attention metadata over exactly that group's rows.
+        Runs the compiled tick (:class:`OuroTick`) in vLLM's compile mode."""
+        if self.tick.do_not_compile or torch.compiler.is_compiling():
+            # Eager, or traced into ``forward``'s graph: the groups are known here.
+            return self.apply_stack(hidden_states, positions, groups)
+        with running_tick(groups):
+            return self.tick(hidden_states, positions)
 
     def run_loops(
         self, hidden_states: torch.Tensor, positions: torch.Tensor, start: int, end: int
@@ -218,6 +294,21 @@ class OuroModel(nn.Module):
     def forward(self, input_ids, positions, inputs_embeds=None) -> torch.Tensor:
         h = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         return self.run_loops(h, positions, 0, self.num_loops)
+
+
+@support_torch_compile(dynamic_arg_dims={"hidden_states": 0, "positions": 0})
+class OuroTick(nn.Module):
+    """One tick of :class:`OuroModel` as its own compiled graph, its loop
+    groups left to run time (``tick_attention``). It owns no weights: the
+    model is held outside the module tree, so parameters keep their names
+    and are not registered twice."""
+
+    def __init__(self, *, model: OuroModel, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        self._model = (model,)
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._model[0].apply_stack(hidden_states, positions, None)
 
 
 class OuroForCausalLM(nn.Module):

@@ -82,6 +82,26 @@ class LoopSpecDrafter:
         n = model.config.num_hidden_layers
         self.shallow_layer_names = [kv_layer_name(u, i, n) for u in range(self.draft_loops) for i in range(n)]
 
+    def warm_up(self, num_tokens: int) -> None:
+        """Compile the model's tick (:class:`~vllm_loopspec.models.ouro.OuroTick`)
+        at startup, as vLLM compiles ``forward`` in its profile run (no
+        attention metadata: attention writes and reads nothing), so that the
+        first round does not compile, and compiles for a general row count
+        (a first call with one row would specialise the graph to one row)."""
+        from vllm.config import CompilationMode
+        from vllm.forward_context import set_forward_context
+        from vllm_loopspec.models.ouro import LoopGroup
+
+        config = self.vllm_config
+        if config.compilation_config.mode == CompilationMode.NONE:
+            return
+        device = self.runner.device
+        hidden = torch.zeros((num_tokens, self.model.config.hidden_size),
+                             dtype=config.model_config.dtype, device=device)
+        positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        with set_forward_context(None, config, num_tokens=num_tokens):
+            self.model.model.run_tick(hidden, positions, (LoopGroup(0, 0, num_tokens),))
+
     def bind(self, runner) -> None:
         """The runner whose batch this drafter speculates for (its input
         batch, requests and attention groups)."""

@@ -98,6 +98,15 @@ class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
         super().__init__(vllm_config, device)
         self._loopspec_setup()
 
+    def warming_up_model(self) -> None:
+        """vLLM compiles the model's ``forward`` here; the round's tick is
+        compiled beside it, under the same settings."""
+        from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings
+
+        super().warming_up_model()
+        with _set_global_compilation_settings(self.vllm_config):
+            self.drafter.warm_up(self.max_num_tokens)
+
 
 class LoopSpecCPUWorker(CPUWorker):
     """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
