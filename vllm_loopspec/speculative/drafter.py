@@ -44,6 +44,7 @@ SKIP_BUDGET = "token_budget"  # max_tokens or max_model_len leaves no room
 SKIP_MIN_P = "min_p"
 SKIP_LOGIT_BIAS = "logit_bias"
 _SAMPLING_EPS = 1e-5
+_TINY = torch.finfo(torch.float32).tiny  # log(0) guard for the uniform draws
 
 
 class LoopSpecDrafter:
@@ -338,10 +339,14 @@ class DraftChooser:
 
         logits = logits.float() / self.temperature.unsqueeze(-1)
         q = apply_top_k_top_p(logits, self.top_k, self.top_p).softmax(dim=-1, dtype=torch.float32)
-        noise = torch.empty_like(q).exponential_()
+        # The exponential race: argmax q_i / E_i with E_i ~ Exp(1) is a draw
+        # from q. E = -log U (U uniform) is the same distribution and, on CPU,
+        # about 5x cheaper than Tensor.exponential_.
+        uniform = torch.empty_like(q).uniform_()
         for s, generator in self.seeded:
             if self.drafts_valid[step, s]:
-                noise[s].exponential_(generator=generator)
+                uniform[s].uniform_(generator=generator)
+        noise = uniform.clamp_min_(_TINY).log_().neg_()
         tokens = torch.where(self.sampled, (q / noise).argmax(dim=-1), greedy)
         if self.q is None:
             self.q = q.new_zeros((q.shape[0], self.k_max, q.shape[1]))
