@@ -32,7 +32,7 @@ pd-demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -rs -m "not multi_instance" tests
 
-# P/D pairs and TP/DP/Ray servers (issues 14, 16): not yet in CI's gate.
+# P/D pairs (issue 14): not yet in CI's gate.
 test-multi: $(STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -rs -m multi_instance tests
 

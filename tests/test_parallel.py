@@ -155,7 +155,6 @@ def tp2_greedy(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.multi_instance
 def test_tp2_greedy_loopspec_equals_tp1_native(tp2_greedy, native_reference):
     assert tp2_greedy["greedy"] == native_reference
     counters = tp2_greedy["after_greedy"]
@@ -164,7 +163,6 @@ def test_tp2_greedy_loopspec_equals_tp1_native(tp2_greedy, native_reference):
 
 
 @pytest.mark.slow
-@pytest.mark.multi_instance
 def test_tp2_sampled_drafts_are_the_same_on_every_rank(tp2_greedy):
     """The debug drafter all-gathers each round's drafts and stops the
     engine if the ranks differ: a sampled batch (seeded and unseeded
@@ -176,7 +174,6 @@ def test_tp2_sampled_drafts_are_the_same_on_every_rank(tp2_greedy):
 
 
 @pytest.mark.slow
-@pytest.mark.multi_instance
 def test_dp2_greedy_loopspec_equals_native_with_both_replicas_speculating(tiny_checkpoint, tmp_path,
                                                                             native_reference):
     """Two replicas behind one server (vLLM's default of one API server per
@@ -195,7 +192,6 @@ def test_dp2_greedy_loopspec_equals_native_with_both_replicas_speculating(tiny_c
 
 
 @pytest.mark.slow
-@pytest.mark.multi_instance
 def test_ray_executor_tp2_equals_mp(tiny_checkpoint, tmp_path, tp2_greedy, native_reference):
     """TP=2 with ``--distributed-executor-backend ray`` on a local Ray
     cluster: the loopspec worker runs in Ray actors, token for token as with
