@@ -11,7 +11,7 @@ from vllm_loopspec.speculative.metrics import COUNTERS, LoopSpecCollector, LoopS
 
 def _stats(rounds: int) -> LoopSpecStats:
     s = LoopSpecStats(rounds=rounds, speculating_rows=2 * rounds, drafted_tokens=8)
-    s.count_loop_rows(range(0, 2), 5)
+    s.count_loop_rows(range(0, 2), 5, masked=1)
     s.count_acceptance(3, 2)
     s.skipped["logprobs"] += rounds
     return s
@@ -28,6 +28,7 @@ def test_collector_sums_workers_by_the_schema(tmp_path):
     assert samples[("loopspec:speculating_rows", ())] == 10
     assert samples[("loopspec:rows_per_loop", (("loop", "1"),))] == 10
     assert samples[("loopspec:rows_per_loop", (("loop", "2"),))] == 10
+    assert samples[("loopspec:masked_rows_per_loop", (("loop", "1"),))] == 2
     assert samples[("loopspec:accepted_per_pos", (("position", "2"),))] == 2
     assert samples[("loopspec:accepted_per_pos", (("position", "3"),))] == 0
     assert samples[("loopspec:skipped_rows", (("reason", "logprobs"),))] == 5

@@ -146,9 +146,17 @@ def test_masked_rows_write_no_kv(loopspec_llms, tokenizer, buckets):
             changed = ((k0 != k1).flatten(1).any(1) | (v0 != v1).flatten(1).any(1)).nonzero().flatten().tolist()
             assert set(changed) <= forwarded, f"{name}: slots outside the step changed: {set(changed) - forwarded}"
 
+    stats = runner.drafter.stats
+    rows0, masked0 = list(stats.rows_per_loop), list(stats.masked_rows_per_loop)
     with _around_execute(llm, before, after), _row_buckets(llm, buckets):
         _mixed_workload(llm, tokenizer, lambda: None)
     assert seen["masked_rounds"] >= 1, "no round had masked rows"
+    # Every scheduled token passes every loop once; masked rows are counted apart.
+    rows = [a - b for a, b in zip(stats.rows_per_loop, rows0 + [0] * loops)]
+    masked = [a - b for a, b in zip(stats.masked_rows_per_loop, masked0 + [0] * loops)]
+    d = runner.drafter.draft_loops
+    assert len(set(rows)) == 1 and rows[0] > 0, rows
+    assert all(m > 0 for m in masked[:d]) and not any(masked[d:]), masked
 
 
 def test_padded_draft_ticks_equal_native(loopspec_llms, native_llm):

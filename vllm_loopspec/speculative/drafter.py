@@ -291,7 +291,7 @@ class _ServedModel:
 
     def shallow(self, hidden, positions, tick: TickAttention):
         tick.activate(self.names, self.context)
-        self.stats.count_loop_rows(range(0, self.d), hidden.shape[0])
+        self.stats.count_loop_rows(range(0, self.d), hidden.shape[0] - tick.masked_rows, tick.masked_rows)
         return self.model.model.run_loops(hidden, positions, 0, self.d)
 
     def deep(self, shallow_states, positions):

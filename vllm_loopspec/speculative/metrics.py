@@ -59,7 +59,10 @@ COUNTERS = (
     CounterSpec("speculating_rows", "Request-rounds that drafted at least one token."),
     CounterSpec("drafted_tokens", "Tokens drafted by the shallow loops."),
     CounterSpec("accepted_tokens", "Drafted tokens the deep loops accepted."),
-    CounterSpec("rows_per_loop", "Rows each loop processed in loopspec steps.", "vector", "loop"),
+    CounterSpec("rows_per_loop", "Rows of scheduled tokens each loop processed in loopspec steps.", "vector",
+                "loop"),
+    CounterSpec("masked_rows_per_loop", "Masked rows each loop processed in loopspec steps (draft ticks of rows "
+                "with fewer drafts, padding): computed, no KV written.", "vector", "loop"),
     CounterSpec("drafted_per_pos", "Rounds that drafted each position.", "vector", "position"),
     CounterSpec("accepted_per_pos", "Rounds whose draft at each position was accepted.", "vector", "position"),
     CounterSpec("skipped", "Request-steps that decoded one token without drafting, by reason.", "labelled",
@@ -76,14 +79,17 @@ class LoopSpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     rows_per_loop: list[int] = field(default_factory=list)  # index = loop
+    masked_rows_per_loop: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)  # index = draft position j-1
     accepted_per_pos: list[int] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)  # reason -> request-steps
 
-    def count_loop_rows(self, loops: range, rows: int) -> None:
+    def count_loop_rows(self, loops: range, rows: int, masked: int = 0) -> None:
         _grow(self.rows_per_loop, loops.stop)
+        _grow(self.masked_rows_per_loop, loops.stop)
         for loop in loops:
             self.rows_per_loop[loop] += rows
+            self.masked_rows_per_loop[loop] += masked
 
     def count_acceptance(self, num_drafts: int, num_accepted: int) -> None:
         for per_pos, n in ((self.drafted_per_pos, num_drafts), (self.accepted_per_pos, num_accepted)):

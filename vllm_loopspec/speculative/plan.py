@@ -73,6 +73,7 @@ class TickAttention:
 
     metadata: Any  # the backend's metadata object (one for every shallow layer)
     slot_mapping: torch.Tensor
+    masked_rows: int = 0  # rows that write no KV (counted apart in the metrics)
 
     def activate(self, layer_names: list[str], forward_context) -> None:
         """Point the shallow layers of the current forward context at this
@@ -125,7 +126,8 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
     block_table = common.block_table_tensor
     slot_mapping = common.slot_mapping
 
-    def tick(query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, slots: torch.Tensor) -> TickAttention:
+    def tick(query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, slots: torch.Tensor,
+             masked_rows: int = 0) -> TickAttention:
         qsl = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
         qsl_cpu = torch.from_numpy(qsl)
@@ -141,7 +143,7 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
             slot_mapping=slots,
             causal=True,
         )
-        return TickAttention(attn_group.build_metadata(sub), slots)
+        return TickAttention(attn_group.build_metadata(sub), slots, masked_rows)
 
     def on_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
@@ -172,7 +174,8 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
     drafts = []
     for j in range(layout.max_drafts):
         slots = torch.where(valid_dev[j], slots_padded[draft_index_dev[j]], PAD_SLOT)
-        drafts.append(tick(np.ones(len(tick_rows), np.int32), draft_pos[j] + 1, tick_rows, slots))
+        drafts.append(tick(np.ones(len(tick_rows), np.int32), draft_pos[j] + 1, tick_rows, slots,
+                           masked_rows=int((~valid[j]).sum())))
     # vLLM's flat draft order: row by row, j = 1..K_i.
     row_major = np.nonzero(valid.T.reshape(-1))[0]  # index into [B_s, K_max]
     gather = (row_major // layout.max_drafts) + (row_major % layout.max_drafts) * len(tick_rows)
