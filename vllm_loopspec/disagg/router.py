@@ -63,11 +63,15 @@ class Router:
     background event loop (tests, benchmarks), :meth:`run` in the foreground."""
 
     def __init__(self, prefill_url: str, decode_url: str, host: str = "127.0.0.1", port: int = 8000,
-                 timeout_s: float = 600.0) -> None:
+                 prefill_timeout_s: float = 300.0, decode_read_timeout_s: float = 300.0) -> None:
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Every leg is bounded: the prefill leg (one token) as a whole, the
+        # decode leg per read (a long stream may run longer than any total).
+        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=10)
+        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=decode_read_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
         self.counts = {"routed": 0, "prefill_unreachable": 0, "prefill_failed": 0}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -127,7 +131,7 @@ class Router:
         decode = dict(body)
         try:
             async with self._session.post(self.prefill_url + path, json=prefill_body(body),
-                                          headers=headers) as r:
+                                          headers=headers, timeout=self.prefill_timeout) as r:
                 if r.status != 200:
                     # The request itself is bad (the decode side would refuse it
                     # alike): relay prefill's answer.
@@ -144,7 +148,8 @@ class Router:
             logger.warning("prefill instance %s unreachable (%s): request %s is computed by the decode "
                            "instance", self.prefill_url, e, request_id)
 
-        async with self._session.post(self.decode_url + path, json=decode, headers=headers) as r:
+        async with self._session.post(self.decode_url + path, json=decode, headers=headers,
+                                      timeout=self.decode_timeout) as r:
             if not decode.get("stream"):
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type=r.content_type or "application/json")
