@@ -144,7 +144,6 @@ def _streamed(client, prompt: str) -> list[int]:
 
 
 # -- greedy equality ------------------------------------------------------------------
-@pytest.mark.multi_instance
 def test_greedy_pd_equals_native_sequential(pd, pd_prompts, native_greedy):
     before = pd.decode.metrics()
     for prompt in pd_prompts:
@@ -162,7 +161,6 @@ def test_greedy_pd_equals_native_sequential(pd, pd_prompts, native_greedy):
     _until(decode_counters, timeout=30)
 
 
-@pytest.mark.multi_instance
 def test_greedy_pd_equals_native_8_concurrent(pd, pd_prompts, native_greedy):
     batch = (pd_prompts * 2)[:8]
     with ThreadPoolExecutor(8) as pool:
@@ -173,7 +171,6 @@ def test_greedy_pd_equals_native_8_concurrent(pd, pd_prompts, native_greedy):
     _assert_kv_freed(pd.prefill, pd.decode)
 
 
-@pytest.mark.multi_instance
 def test_chat_streamed_through_router_equals_colocated(pd, colocated_fixed_k):
     body = {"model": None, "messages": [{"role": "user", "content": "def parse(path):"}], "max_tokens": 16,
             "temperature": 0, "ignore_eos": True}
@@ -194,7 +191,6 @@ def test_chat_streamed_through_router_equals_colocated(pd, colocated_fixed_k):
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
-@pytest.mark.multi_instance
 def test_seeded_sampled_pd_equals_colocated_loopspec(pd, colocated_fixed_k, tokenizer):
     """Seeded sampled requests over P/D give the colocated loopspec server's
     tokens under the same schedule. The decode instance's first step
@@ -212,7 +208,6 @@ def test_seeded_sampled_pd_equals_colocated_loopspec(pd, colocated_fixed_k, toke
         assert _completion(pd.client, ids, seed=seed, **SAMPLED) == colocated, seed
 
 
-@pytest.mark.multi_instance
 def test_seeded_sampled_pd_replays(pd, pd_prompts):
     """Any prompt: a seeded sampled P/D request replays its tokens exactly
     (against a colocated server whose first step is a full prefill it is
@@ -271,7 +266,6 @@ def _prefill_leg(server, prompt: str) -> dict:
     return params
 
 
-@pytest.mark.multi_instance
 def test_fault_prefill_blocks_never_pulled(pd, pd_prompts):
     """A prefill answered, no decode leg ever comes: the blocks the prefill
     instance kept are freed when their KV lease runs out."""
@@ -289,7 +283,6 @@ def _assert_more(server, name: str, than: float) -> None:
     assert metric_sum(server.metrics(), name) > than
 
 
-@pytest.mark.multi_instance
 def test_fault_handshake_fails_request_recomputed(pd, pd_prompts, native_greedy):
     """The decode leg names a side channel nobody listens on: the NIXL
     handshake fails, the decode instance recomputes the prompt
@@ -320,7 +313,6 @@ def _cancelled_post(url: str, body: dict, after_s: float) -> None:
         time.sleep(after_s)
 
 
-@pytest.mark.multi_instance
 @pytest.mark.parametrize("after_s", [0.0, 0.05, 0.2, 0.5])
 def test_fault_decode_request_cancelled_while_kv_in_flight(pd, pd_prompts, native_greedy, after_s):
     """The decode leg is cancelled before, during or just after its pull
@@ -335,7 +327,6 @@ def test_fault_decode_request_cancelled_while_kv_in_flight(pd, pd_prompts, nativ
     assert _completion(pd.client, prompt) == native_greedy[prompt]
 
 
-@pytest.mark.multi_instance
 def test_fault_decode_cancelled_through_router_mid_stream(pd, pd_prompts, native_greedy):
     prompt = pd_prompts[-1]
     body = {"model": pd.decode.model_name(), "prompt": prompt, "max_tokens": 200, "temperature": 0,
@@ -345,7 +336,6 @@ def test_fault_decode_cancelled_through_router_mid_stream(pd, pd_prompts, native
     assert _completion(pd.client, prompt) == native_greedy[prompt]
 
 
-@pytest.mark.multi_instance
 def test_fault_prefill_killed_before_decode_pulls(pd, pd_prompts, native_greedy):
     """The prefill instance answers, then dies (SIGKILL) before the decode
     instance pulls: the decode instance recomputes and answers with the
