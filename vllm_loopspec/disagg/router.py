@@ -166,14 +166,27 @@ class Router:
         web.run_app(self.app(), host=self.host, port=self.port, print=None)
 
     def start_in_thread(self, timeout: float = 30.0) -> "Router":
+        """Serve from a background thread. ``port=0`` binds a free port at
+        this moment (a port picked earlier may be taken by then on a shared
+        host); ``url`` names it once this returns. A failed bind is raised here."""
         started = threading.Event()
+        failure: list[BaseException] = []
 
         def serve() -> None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
             self._runner = web.AppRunner(self.app())
-            self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())
+            try:
+                self._loop.run_until_complete(self._runner.setup())
+                self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())
+                self.port = self._runner.addresses[0][1]
+                self.url = f"http://{self.host}:{self.port}"
+            except BaseException as e:  # noqa: BLE001 - handed to the starting thread
+                failure.append(e)
+                started.set()
+                self._loop.run_until_complete(self._runner.cleanup())
+                self._loop.close()
+                return
             started.set()
             self._loop.run_forever()
             self._loop.run_until_complete(self._runner.cleanup())
@@ -183,6 +196,9 @@ class Router:
         self._thread.start()
         if not started.wait(timeout):
             raise TimeoutError(f"router did not start on {self.url} within {timeout}s")
+        if failure:
+            self._thread = None
+            raise failure[0]
         return self
 
     def stop(self) -> None:
