@@ -50,6 +50,7 @@ def test_instances_get_disjoint_openmp_cores_on_cpu(monkeypatch):
     assert split_cpus([0]) == (None, None)
     assert instance_env(5600, cuda=False, devices="1")["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in instance_env(5600, cuda=False)
+    assert instance_env(5600, cuda=False)["UCX_KEEPALIVE_INTERVAL"] == "2s"
     assert instance_env(5600, cuda=True, devices="1")["CUDA_VISIBLE_DEVICES"] == "1"
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert split_cpus([0, 1]) == (None, None)  # the user's binding wins
@@ -80,3 +81,17 @@ def test_nixl_worker_init_leaves_the_thread_affinity_alone():
     t.start()
     t.join()
     assert seen["inside"] == {max(allowed)} and seen["after"] == allowed
+
+
+def test_router_binds_a_free_port_when_it_starts_and_raises_a_failed_bind():
+    """A port picked before the engines start (a minute) may be taken by then
+    on a shared host: port 0 binds at start; a taken port raises at once."""
+    from vllm_loopspec.disagg.router import Router
+
+    router = Router("http://127.0.0.1:1", "http://127.0.0.1:2", port=0).start_in_thread()
+    try:
+        assert router.port > 0 and router.url.endswith(f":{router.port}")
+        with pytest.raises(OSError):
+            Router("http://127.0.0.1:1", "http://127.0.0.1:2", port=router.port).start_in_thread()
+    finally:
+        router.stop()

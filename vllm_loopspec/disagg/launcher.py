@@ -11,7 +11,10 @@ Settings it makes right (see DESIGN.md, "P/D over NIXL"):
   prefill and ``kv_consumer`` on decode; each its own ``--port`` and
   ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (host 127.0.0.1);
 * CPU hosts: ``kv_buffer_device="cpu"``, ``UCX_NET_DEVICES=lo``,
-  ``UCX_TLS=tcp,self`` and ``OMP_WAIT_POLICY=PASSIVE`` (two engines' spinning
+  ``UCX_TLS=tcp,self``, ``UCX_KEEPALIVE_INTERVAL=2s`` (a read from a
+  prefill instance that died fails in seconds, not minutes), half the cores
+  each for the instances' OpenMP threads (:func:`split_cpus`) and
+  ``OMP_WAIT_POLICY=PASSIVE`` (two engines' spinning
   OpenMP threads otherwise starve each other: a 64-token decode took 30-90 s
   instead of 1-3 s on 2 cores). CUDA hosts: ``kv_buffer_device="cuda"``, UCX
   left to choose its transports, one GPU per instance
@@ -116,6 +119,10 @@ def instance_env(side_channel_port: int, cuda: bool, devices: str | None = None)
     else:
         env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
         env["UCX_TLS"] = os.environ.get("UCX_TLS", "tcp,self")
+        # A read posted to a prefill instance that just died (before UCX saw
+        # its socket close) waits for UCX's keepalive to fail the endpoint:
+        # ~140 s at UCX's default interval, ~25 s at 2 s (then recompute).
+        env["UCX_KEEPALIVE_INTERVAL"] = os.environ.get("UCX_KEEPALIVE_INTERVAL", "2s")
         if devices is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = devices
     return env
@@ -167,11 +174,20 @@ class PDDeployment:
         self.decode = VllmServer(self.checkpoint, *self.decode_args, port=decode_port,
                                  log_path=self.log_dir / "decode.log",
                                  env={**instance_env(self.side_channel_ports[1], self.cuda, devices[1]), **(env or {})})
-        self.router = Router(self.prefill.url, self.decode.url, port=port or free_port())
-        self.url = self.router.url
-        self.client = ServerClient(self.url)  # the OpenAI API through the router
+        # port None: the router binds a free port when it starts (see Router.start_in_thread).
+        self.router = Router(self.prefill.url, self.decode.url, port=port or 0)
         self.warmup = warmup
         self.start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        """The router's URL (its port is known once the deployment started)."""
+        return self.router.url
+
+    @property
+    def client(self) -> ServerClient:
+        """The OpenAI API through the router."""
+        return ServerClient(self.router.url)
 
     # -- lifecycle -------------------------------------------------------------
     def check_args(self) -> None:
