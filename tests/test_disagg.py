@@ -2,10 +2,14 @@
 instance, a decode instance with loopspec and the router, over vLLM's
 ``NixlConnector`` on 127.0.0.1.
 
-One deployment serves the whole module (two engine starts); the fault tests
-use it too, with a short KV lease so that blocks nobody pulls are freed
-within seconds. Every server is a child stopped by pid; every wait is
-bounded.
+One deployment serves the whole module, and one colocated loopspec server
+started beside it (three engine starts in all, overlapped); the fault tests
+use the deployment too, with a short KV lease so that blocks nobody pulls
+are freed within seconds. The native reference is the prefill instance
+itself: a plain vLLM server, whose ``NixlConnector`` acts only on requests
+that carry ``kv_transfer_params``, so a request without them is prefilled
+and decoded there natively (colocated). Every server is a child stopped by
+pid; every request and wait is bounded.
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vllm import SamplingParams
-
 from conftest import MAX_MODEL_LEN
 from prompts import MEDIUM, SHORT, long_prompt
 
@@ -42,6 +44,7 @@ KV_LEASE_S = 8  # prefill blocks nobody pulls are freed after this (vLLM's defau
 # under any change of schedule); a pinned K makes seeded streams comparable.
 FIXED_K = '{"method": "loopspec", "num_speculative_tokens": 4, "adaptive": false}'
 IDLE_TIMEOUT_S = 90.0
+REQUEST_TIMEOUT_S = 120.0
 OUT = 24
 
 
@@ -74,21 +77,34 @@ def _assert_kv_freed(*servers) -> None:
 
 
 @pytest.fixture(scope="module")
-def pd(tiny_checkpoint, tmp_path_factory):
+def servers(tiny_checkpoint, tmp_path_factory):
+    """The P/D deployment and a colocated loopspec server with the decode
+    side's options, started together (engine starts overlap); both stopped
+    by pid at the end of the module."""
+    from vllm_loopspec.server_process import VllmServer
+
     log_dir = tmp_path_factory.mktemp("pd")
-    with PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S, log_dir=log_dir,
-                      start_timeout_s=600, decode_speculative_config=FIXED_K) as deployment:
-        yield deployment
+    colocated = VllmServer(tiny_checkpoint, *SERVE_ARGS, "--speculative-config", FIXED_K,
+                           log_path=log_dir / "colocated.log")
+    colocated.start()
+    try:
+        with PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S, log_dir=log_dir,
+                          start_timeout_s=300, decode_speculative_config=FIXED_K) as deployment:
+            colocated.wait_healthy(300)
+            yield deployment, colocated
+    finally:
+        colocated.stop()
 
 
 @pytest.fixture(scope="module")
-def colocated_fixed_k(tiny_checkpoint, tmp_path_factory):
-    """A colocated loopspec server with the decode side's options."""
-    from vllm_loopspec.server_process import VllmServer
+def pd(servers):
+    return servers[0]
 
-    log = tmp_path_factory.mktemp("colocated-fixed-k") / "serve.log"
-    with VllmServer(tiny_checkpoint, *SERVE_ARGS, "--speculative-config", FIXED_K, log_path=log) as srv:
-        yield srv
+
+@pytest.fixture(scope="module")
+def colocated_fixed_k(servers):
+    """A colocated loopspec server with the decode side's options."""
+    return servers[1]
 
 
 @pytest.fixture(scope="module")
@@ -108,27 +124,26 @@ def _cache_info(server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def native_greedy(native_llm, pd_prompts):
-    outs = native_llm.generate(pd_prompts, SamplingParams(max_tokens=OUT, temperature=0, ignore_eos=True),
-                               use_tqdm=False)
-    return {p: list(o.outputs[0].token_ids) for p, o in zip(pd_prompts, outs)}
+def native_greedy(pd, pd_prompts):
+    """Greedy tokens of a colocated native server: the prefill instance,
+    asked without ``kv_transfer_params`` (see the module docstring)."""
+    return {p: _completion(pd.prefill, p) for p in pd_prompts}
 
 
 def _completion(client, prompt: str, **extra) -> list[int]:
     body = {"model": client.model_name(), "prompt": prompt, "max_tokens": OUT, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, **extra}
-    return client.post("/v1/completions", body, timeout=300)["choices"][0]["token_ids"]
+    return client.post("/v1/completions", body, timeout=REQUEST_TIMEOUT_S)["choices"][0]["token_ids"]
 
 
 def _streamed(client, prompt: str) -> list[int]:
     body = {"model": client.model_name(), "prompt": prompt, "max_tokens": OUT, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
-    return [t for c in client.stream("/v1/completions", body) if c["choices"]
+    return [t for c in client.stream("/v1/completions", body, timeout=REQUEST_TIMEOUT_S) if c["choices"]
             for t in (c["choices"][0].get("token_ids") or [])]
 
 
 # -- greedy equality ------------------------------------------------------------------
-@pytest.mark.multi_instance
 def test_greedy_pd_equals_native_sequential(pd, pd_prompts, native_greedy):
     before = pd.decode.metrics()
     for prompt in pd_prompts:
@@ -146,7 +161,6 @@ def test_greedy_pd_equals_native_sequential(pd, pd_prompts, native_greedy):
     _until(decode_counters, timeout=30)
 
 
-@pytest.mark.multi_instance
 def test_greedy_pd_equals_native_8_concurrent(pd, pd_prompts, native_greedy):
     batch = (pd_prompts * 2)[:8]
     with ThreadPoolExecutor(8) as pool:
@@ -157,8 +171,7 @@ def test_greedy_pd_equals_native_8_concurrent(pd, pd_prompts, native_greedy):
     _assert_kv_freed(pd.prefill, pd.decode)
 
 
-@pytest.mark.multi_instance
-def test_chat_streamed_through_router_equals_colocated(pd, loopspec_server):
+def test_chat_streamed_through_router_equals_colocated(pd, colocated_fixed_k):
     body = {"model": None, "messages": [{"role": "user", "content": "def parse(path):"}], "max_tokens": 16,
             "temperature": 0, "ignore_eos": True}
 
@@ -166,10 +179,10 @@ def test_chat_streamed_through_router_equals_colocated(pd, loopspec_server):
         b = {**body, "model": client.model_name()}
         if stream:
             return "".join(c["choices"][0]["delta"].get("content") or "" for c in client.stream(
-                "/v1/chat/completions", b) if c["choices"])
-        return client.post("/v1/chat/completions", b)["choices"][0]["message"]["content"]
+                "/v1/chat/completions", b, timeout=REQUEST_TIMEOUT_S) if c["choices"])
+        return client.post("/v1/chat/completions", b, timeout=REQUEST_TIMEOUT_S)["choices"][0]["message"]["content"]
 
-    colocated = text(loopspec_server, stream=False)
+    colocated = text(colocated_fixed_k, stream=False)
     assert text(pd.client, stream=True) == colocated
     assert text(pd.client, stream=False) == colocated
 
@@ -178,7 +191,6 @@ def test_chat_streamed_through_router_equals_colocated(pd, loopspec_server):
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
-@pytest.mark.multi_instance
 def test_seeded_sampled_pd_equals_colocated_loopspec(pd, colocated_fixed_k, tokenizer):
     """Seeded sampled requests over P/D give the colocated loopspec server's
     tokens under the same schedule. The decode instance's first step
@@ -196,7 +208,6 @@ def test_seeded_sampled_pd_equals_colocated_loopspec(pd, colocated_fixed_k, toke
         assert _completion(pd.client, ids, seed=seed, **SAMPLED) == colocated, seed
 
 
-@pytest.mark.multi_instance
 def test_seeded_sampled_pd_replays(pd, pd_prompts):
     """Any prompt: a seeded sampled P/D request replays its tokens exactly
     (against a colocated server whose first step is a full prefill it is
@@ -250,12 +261,11 @@ def test_mismatched_pair_refused_by_the_command(tiny_checkpoint, other_r_checkpo
 def _prefill_leg(server, prompt: str) -> dict:
     body = prefill_body({"model": server.model_name(), "prompt": prompt, "max_tokens": OUT, "temperature": 0,
                          "ignore_eos": True})
-    params = server.post("/v1/completions", body, timeout=300)["kv_transfer_params"]
+    params = server.post("/v1/completions", body, timeout=REQUEST_TIMEOUT_S)["kv_transfer_params"]
     assert params and params["remote_block_ids"], params
     return params
 
 
-@pytest.mark.multi_instance
 def test_fault_prefill_blocks_never_pulled(pd, pd_prompts):
     """A prefill answered, no decode leg ever comes: the blocks the prefill
     instance kept are freed when their KV lease runs out."""
@@ -273,7 +283,6 @@ def _assert_more(server, name: str, than: float) -> None:
     assert metric_sum(server.metrics(), name) > than
 
 
-@pytest.mark.multi_instance
 def test_fault_handshake_fails_request_recomputed(pd, pd_prompts, native_greedy):
     """The decode leg names a side channel nobody listens on: the NIXL
     handshake fails, the decode instance recomputes the prompt
@@ -304,7 +313,6 @@ def _cancelled_post(url: str, body: dict, after_s: float) -> None:
         time.sleep(after_s)
 
 
-@pytest.mark.multi_instance
 @pytest.mark.parametrize("after_s", [0.0, 0.05, 0.2, 0.5])
 def test_fault_decode_request_cancelled_while_kv_in_flight(pd, pd_prompts, native_greedy, after_s):
     """The decode leg is cancelled before, during or just after its pull
@@ -319,7 +327,6 @@ def test_fault_decode_request_cancelled_while_kv_in_flight(pd, pd_prompts, nativ
     assert _completion(pd.client, prompt) == native_greedy[prompt]
 
 
-@pytest.mark.multi_instance
 def test_fault_decode_cancelled_through_router_mid_stream(pd, pd_prompts, native_greedy):
     prompt = pd_prompts[-1]
     body = {"model": pd.decode.model_name(), "prompt": prompt, "max_tokens": 200, "temperature": 0,
@@ -329,7 +336,6 @@ def test_fault_decode_cancelled_through_router_mid_stream(pd, pd_prompts, native
     assert _completion(pd.client, prompt) == native_greedy[prompt]
 
 
-@pytest.mark.multi_instance
 def test_fault_prefill_killed_before_decode_pulls(pd, pd_prompts, native_greedy):
     """The prefill instance answers, then dies (SIGKILL) before the decode
     instance pulls: the decode instance recomputes and answers with the

@@ -38,3 +38,60 @@ def test_kv_transfer_configs():
     consumer = kv_transfer_config("kv_consumer", cuda=True, lease_s=8)
     assert consumer["kv_load_failure_policy"] == "recompute" and consumer["kv_buffer_device"] == "cuda"
     assert consumer["kv_connector_extra_config"] == {"kv_lease_duration": 8}
+
+
+def test_instances_get_disjoint_openmp_cores_on_cpu(monkeypatch):
+    """Two engines whose OpenMP teams share cores stall each other (launcher.split_cpus)."""
+    from vllm_loopspec.disagg.launcher import instance_env, split_cpus
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert split_cpus([0, 1]) == ("0", "1")
+    assert split_cpus([4, 1, 2, 3]) == ("1,2", "3,4")
+    assert split_cpus([0]) == (None, None)
+    assert instance_env(5600, cuda=False, devices="1")["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in instance_env(5600, cuda=False)
+    assert instance_env(5600, cuda=False)["UCX_KEEPALIVE_INTERVAL"] == "2s"
+    assert instance_env(5600, cuda=True, devices="1")["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert split_cpus([0, 1]) == (None, None)  # the user's binding wins
+
+
+def test_nixl_worker_init_leaves_the_thread_affinity_alone():
+    """Patch 13: NIXL's CPU path pins the calling thread (the OpenMP master) to
+    the last core; the wrapper restores the affinity the thread had."""
+    import os
+    import threading
+
+    from vllm_loopspec.patches import keep_cpu_affinity
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs 2 cores")
+    seen = {}
+
+    def pinning_init(self):
+        os.sched_setaffinity(0, {max(allowed)})
+        seen["inside"] = os.sched_getaffinity(0)
+
+    def run():
+        keep_cpu_affinity(pinning_init)(None)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=run)  # a thread of its own: the test process keeps its cores
+    t.start()
+    t.join()
+    assert seen["inside"] == {max(allowed)} and seen["after"] == allowed
+
+
+def test_router_binds_a_free_port_when_it_starts_and_raises_a_failed_bind():
+    """A port picked before the engines start (a minute) may be taken by then
+    on a shared host: port 0 binds at start; a taken port raises at once."""
+    from vllm_loopspec.disagg.router import Router
+
+    router = Router("http://127.0.0.1:1", "http://127.0.0.1:2", port=0).start_in_thread()
+    try:
+        assert router.port > 0 and router.url.endswith(f":{router.port}")
+        with pytest.raises(OSError):
+            Router("http://127.0.0.1:1", "http://127.0.0.1:2", port=router.port).start_in_thread()
+    finally:
+        router.stop()

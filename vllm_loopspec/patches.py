@@ -36,6 +36,11 @@ patches, numbered in the comments and docstrings below:
 12. ``CpuPlatform.ray_device_key`` and the Ray runtime env of CPU engines
    that select Ray, so that ``--distributed-executor-backend ray`` runs on CPU, each worker
    taking one unit of a declared Ray resource (:func:`run_ray_executor_on_cpu`);
+13. ``NixlBaseConnectorWorker.__init__`` (``NixlConnector``'s worker side):
+   on CPU it pins the calling thread, which is the worker's main thread and
+   OpenMP master that runs every forward, to the last core of each NUMA node
+   and never undoes it; the thread's affinity is restored after the call
+   (:func:`keep_cpu_affinity_under_nixl`).
 
 Patches 1, 2, 7, 9 and 12 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
@@ -43,13 +48,15 @@ method (ngram, suffix and native decoding hit them too); 8 is used only by
 the loopspec CPU worker; 9 and 10 change behaviour only for loopspec
 engines (other speculative methods keep vLLM's refusal); 11 only in the API
 server processes of a server with ``--api-server-count > 1``; 12 on CPU (its
-runtime-env half only in engines that select Ray). The worker classes themselves are vLLM's documented
+runtime-env half only in engines that select Ray); 13 in CPU engines with a
+``NixlConnector`` (P/D instances). The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -197,7 +204,8 @@ def _fix_expand_after_platform_overrides() -> None:
     so that the fix follows every (re-)registration of vLLM's CPU kernels;
     each new engine's worker registers them again. Patch 6 rides on the same
     hook: it runs in every CPU worker, before its model runner exists, and
-    keeps vLLM's model runner modules out of the front end."""
+    keeps vLLM's model runner modules out of the front end; so does patch 13
+    (before the worker builds its KV connector)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -211,6 +219,7 @@ def _fix_expand_after_platform_overrides() -> None:
         original.__func__(cls)
         fix_cpu_expand_kernel()
         keep_seeded_streams_on_discard()
+        keep_cpu_affinity_under_nixl()  # patch 13, in CPU workers only
 
     register_triton_kernel_overrides._loopspec_wrapped = True
     platform_class.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
@@ -526,6 +535,44 @@ def update_ray_runtime_env(parallel_config, env_vars: dict[str, str] | None = No
     if env_vars:
         env["env_vars"] = {**(env.get("env_vars") or {}), **env_vars}
     parallel_config.ray_runtime_env = RuntimeEnv(**env)
+
+
+# Patch 13 — NixlBaseConnectorWorker.__init__ (vllm/distributed/kv_transfer/
+# kv_connector/v1/nixl/base_worker.py) calls os.sched_setaffinity(0, [last core
+# of each NUMA node]) on CPU, meaning to reserve that core for start_load_kv.
+# It pins the calling thread, which is also the OpenMP master of every forward:
+# with a prefill and a decode instance on one host both engines' compute threads
+# land on the same core, together with the prefill's engine loop that keeps
+# stepping while it holds blocks for a pull. On the 2-core CI machine that made
+# a 24-token decode take 10-25 s and single 0.5 MB NIXL reads take up to 22 s
+# (vllm:nixl_xfer_time_seconds), long enough for the prefill's KV lease to run
+# out and its blocks to be reused for another prompt before the decode side
+# read them (wrong tokens; prefill log "Potentially invalid KV blocks ...
+# retrieved by a decode worker"). Restoring the thread's affinity keeps vLLM's
+# OpenMP binding (VLLM_CPU_OMP_THREADS_BIND, which the P/D launcher sets per
+# instance) in force.
+def keep_cpu_affinity(original):
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if saved is not None and os.sched_getaffinity(0) != saved:
+                os.sched_setaffinity(0, saved)
+
+    init.__loopspec_patched__ = True
+    return init
+
+
+def keep_cpu_affinity_under_nixl() -> None:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+    except ImportError:  # no NIXL connector in this build
+        return
+    cls = base_worker.NixlBaseConnectorWorker
+    if not getattr(cls.__init__, "__loopspec_patched__", False):
+        cls.__init__ = keep_cpu_affinity(cls.__init__)
 
 
 def apply() -> None:

@@ -35,8 +35,8 @@ class ServerClient:
         self.url = url.rstrip("/")
 
     # -- requests --------------------------------------------------------------
-    def model_name(self) -> str:
-        with urllib.request.urlopen(self.url + "/v1/models") as r:
+    def model_name(self, timeout: float = 60.0) -> str:
+        with urllib.request.urlopen(self.url + "/v1/models", timeout=timeout) as r:
             return json.load(r)["data"][0]["id"]
 
     def post(self, path: str, body: dict, timeout: float = 600.0, headers: dict[str, str] | None = None) -> dict:
@@ -45,11 +45,11 @@ class ServerClient:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.load(r)
 
-    def stream(self, path: str, body: dict) -> Iterator[dict]:
-        """Yield the JSON chunks of a streamed (SSE) response."""
+    def stream(self, path: str, body: dict, timeout: float = 600.0) -> Iterator[dict]:
+        """Yield the JSON chunks of a streamed (SSE) response (``timeout``: per read)."""
         req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
@@ -59,8 +59,8 @@ class ServerClient:
                     return
                 yield json.loads(data)
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics") as r:
+    def metrics(self, timeout: float = 60.0) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout) as r:
             return r.read().decode()
 
 

@@ -11,7 +11,10 @@ Settings it makes right (see DESIGN.md, "P/D over NIXL"):
   prefill and ``kv_consumer`` on decode; each its own ``--port`` and
   ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (host 127.0.0.1);
 * CPU hosts: ``kv_buffer_device="cpu"``, ``UCX_NET_DEVICES=lo``,
-  ``UCX_TLS=tcp,self`` and ``OMP_WAIT_POLICY=PASSIVE`` (two engines' spinning
+  ``UCX_TLS=tcp,self``, ``UCX_KEEPALIVE_INTERVAL=2s`` (a read from a
+  prefill instance that died fails in seconds, not minutes), half the cores
+  each for the instances' OpenMP threads (:func:`split_cpus`) and
+  ``OMP_WAIT_POLICY=PASSIVE`` (two engines' spinning
   OpenMP threads otherwise starve each other: a 64-token decode took 30-90 s
   instead of 1-3 s on 2 cores). CUDA hosts: ``kv_buffer_device="cuda"``, UCX
   left to choose its transports, one GPU per instance
@@ -86,7 +89,28 @@ def kv_transfer_config(role: str, cuda: bool, policy: str = KV_LOAD_FAILURE_POLI
     return cfg
 
 
+def split_cpus(cpus: list[int] | None = None) -> tuple[str | None, str | None]:
+    """Disjoint OpenMP core lists for the prefill and decode instance of one
+    CPU host (``VLLM_CPU_OMP_THREADS_BIND``): the first half of the allowed
+    cores and the rest, or ``(None, None)`` (vLLM's own binding) with fewer
+    than 2 cores or when ``VLLM_CPU_OMP_THREADS_BIND`` is set.
+
+    Two engines whose OpenMP teams share cores stall each other: a parallel
+    region ends only when every thread of its team ran, and the other engine
+    holds the core. On the 2-core CI machine that (with NIXL's pinning, patch
+    13) made a 24-token decode take 10-25 s instead of ~1 s."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None, None
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
 def instance_env(side_channel_port: int, cuda: bool, devices: str | None = None) -> dict[str, str]:
+    """Environment of one instance; ``devices`` is ``CUDA_VISIBLE_DEVICES`` on
+    CUDA hosts and ``VLLM_CPU_OMP_THREADS_BIND`` (a core list) on CPU hosts."""
     env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     if cuda:
@@ -95,6 +119,12 @@ def instance_env(side_channel_port: int, cuda: bool, devices: str | None = None)
     else:
         env["UCX_NET_DEVICES"] = os.environ.get("UCX_NET_DEVICES", "lo")
         env["UCX_TLS"] = os.environ.get("UCX_TLS", "tcp,self")
+        # A read posted to a prefill instance that just died (before UCX saw
+        # its socket close) waits for UCX's keepalive to fail the endpoint:
+        # ~140 s at UCX's default interval, ~25 s at 2 s (then recompute).
+        env["UCX_KEEPALIVE_INTERVAL"] = os.environ.get("UCX_KEEPALIVE_INTERVAL", "2s")
+        if devices is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = devices
     return env
 
 
@@ -134,8 +164,9 @@ class PDDeployment:
                                                           kv_lease_s))]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="loopspec-pd-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        devices = ("0", "1") if self.cuda and prefill_devices is None and decode_devices is None else (
-            prefill_devices, decode_devices)
+        devices = (prefill_devices, decode_devices)
+        if prefill_devices is None and decode_devices is None:
+            devices = ("0", "1") if self.cuda else split_cpus()
         self.side_channel_ports = (prefill_side_channel_port or free_port(), decode_side_channel_port or free_port())
         self.prefill = VllmServer(self.prefill_checkpoint, *self.prefill_args, port=prefill_port,
                                   log_path=self.log_dir / "prefill.log",
@@ -143,11 +174,20 @@ class PDDeployment:
         self.decode = VllmServer(self.checkpoint, *self.decode_args, port=decode_port,
                                  log_path=self.log_dir / "decode.log",
                                  env={**instance_env(self.side_channel_ports[1], self.cuda, devices[1]), **(env or {})})
-        self.router = Router(self.prefill.url, self.decode.url, port=port or free_port())
-        self.url = self.router.url
-        self.client = ServerClient(self.url)  # the OpenAI API through the router
+        # port None: the router binds a free port when it starts (see Router.start_in_thread).
+        self.router = Router(self.prefill.url, self.decode.url, port=port or 0)
         self.warmup = warmup
         self.start_timeout_s = start_timeout_s
+
+    @property
+    def url(self) -> str:
+        """The router's URL (its port is known once the deployment started)."""
+        return self.router.url
+
+    @property
+    def client(self) -> ServerClient:
+        """The OpenAI API through the router."""
+        return ServerClient(self.router.url)
 
     # -- lifecycle -------------------------------------------------------------
     def check_args(self) -> None:
@@ -241,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-load-failure-policy", choices=("recompute", "fail"), default=KV_LOAD_FAILURE_POLICY)
     ap.add_argument("--kv-lease-s", type=int, default=None,
                     help="seconds prefill keeps blocks no decode instance pulls (vLLM default 30)")
-    ap.add_argument("--prefill-devices", default=None, help="CUDA_VISIBLE_DEVICES of the prefill instance")
-    ap.add_argument("--decode-devices", default=None, help="CUDA_VISIBLE_DEVICES of the decode instance")
+    ap.add_argument("--prefill-devices", default=None, help="CUDA_VISIBLE_DEVICES of the prefill instance "
+                    "(CPU hosts: its VLLM_CPU_OMP_THREADS_BIND core list; default: half the cores each)")
+    ap.add_argument("--decode-devices", default=None, help="CUDA_VISIBLE_DEVICES of the decode instance "
+                    "(CPU hosts: its VLLM_CPU_OMP_THREADS_BIND core list)")
     ap.add_argument("--log-dir", default=".cache/pd", help="instance logs")
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--router-only", action="store_true",
@@ -283,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[pd] prefill {deployment.prefill.url}, decode {deployment.decode.url} "
           f"({'speculative-config ' + args.speculative_config}); logs in {deployment.log_dir}", flush=True)
     for name, srv in (("prefill", deployment.prefill), ("decode", deployment.decode)):
-        env = " ".join(f"{k}={v}" for k, v in srv.env.items() if k.startswith(("VLLM_NIXL", "UCX_", "OMP_W", "CUDA_V")))
+        env = " ".join(f"{k}={v}" for k, v in srv.env.items() if k.startswith(("VLLM_NIXL", "UCX_", "OMP_W", "CUDA_V", "VLLM_CPU_OMP")))
         print(f"[pd] {name}: {env} {shlex.join(srv.cmd)}", flush=True)
     stop = {"now": False}
 

@@ -63,11 +63,15 @@ class Router:
     background event loop (tests, benchmarks), :meth:`run` in the foreground."""
 
     def __init__(self, prefill_url: str, decode_url: str, host: str = "127.0.0.1", port: int = 8000,
-                 timeout_s: float = 600.0) -> None:
+                 prefill_timeout_s: float = 300.0, decode_read_timeout_s: float = 300.0) -> None:
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}"
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Every leg is bounded: the prefill leg (one token) as a whole, the
+        # decode leg per read (a long stream may run longer than any total).
+        self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=10)
+        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=decode_read_timeout_s)
+        self.timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
         self.counts = {"routed": 0, "prefill_unreachable": 0, "prefill_failed": 0}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -127,7 +131,7 @@ class Router:
         decode = dict(body)
         try:
             async with self._session.post(self.prefill_url + path, json=prefill_body(body),
-                                          headers=headers) as r:
+                                          headers=headers, timeout=self.prefill_timeout) as r:
                 if r.status != 200:
                     # The request itself is bad (the decode side would refuse it
                     # alike): relay prefill's answer.
@@ -144,7 +148,8 @@ class Router:
             logger.warning("prefill instance %s unreachable (%s): request %s is computed by the decode "
                            "instance", self.prefill_url, e, request_id)
 
-        async with self._session.post(self.decode_url + path, json=decode, headers=headers) as r:
+        async with self._session.post(self.decode_url + path, json=decode, headers=headers,
+                                      timeout=self.decode_timeout) as r:
             if not decode.get("stream"):
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type=r.content_type or "application/json")
@@ -161,14 +166,27 @@ class Router:
         web.run_app(self.app(), host=self.host, port=self.port, print=None)
 
     def start_in_thread(self, timeout: float = 30.0) -> "Router":
+        """Serve from a background thread. ``port=0`` binds a free port at
+        this moment (a port picked earlier may be taken by then on a shared
+        host); ``url`` names it once this returns. A failed bind is raised here."""
         started = threading.Event()
+        failure: list[BaseException] = []
 
         def serve() -> None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
             self._runner = web.AppRunner(self.app())
-            self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())
+            try:
+                self._loop.run_until_complete(self._runner.setup())
+                self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())
+                self.port = self._runner.addresses[0][1]
+                self.url = f"http://{self.host}:{self.port}"
+            except BaseException as e:  # noqa: BLE001 - handed to the starting thread
+                failure.append(e)
+                started.set()
+                self._loop.run_until_complete(self._runner.cleanup())
+                self._loop.close()
+                return
             started.set()
             self._loop.run_forever()
             self._loop.run_until_complete(self._runner.cleanup())
@@ -178,6 +196,9 @@ class Router:
         self._thread.start()
         if not started.wait(timeout):
             raise TimeoutError(f"router did not start on {self.url} within {timeout}s")
+        if failure:
+            self._thread = None
+            raise failure[0]
         return self
 
     def stop(self) -> None:
