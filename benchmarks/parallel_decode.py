@@ -11,9 +11,11 @@ previous one has exited. Arms differ in the parallel layout and in
 * ``tp1-*``  one engine, one worker (threads on both cores);
 * ``tp2-*``  ``--tensor-parallel-size 2`` (mp executor, one worker per core:
   ``VLLM_CPU_OMP_THREADS_BIND=0|1``);
-* ``dp2-*``  ``--data-parallel-size 2`` (two engines, one core each);
-* ``pp2-native`` ``--pipeline-parallel-size 2`` (loopspec refuses PP; the
-  native figure is what a PP deployment would give up speculation for).
+* ``dp2-*``  ``--data-parallel-size 2`` (two engines, one core each).
+
+There is no PP arm: loopspec refuses PP, and vLLM refuses native PP for
+Ouro too (the model does not implement ``SupportsPP``: its loops re-apply
+every layer, so a token would cross the pipeline ``R`` times).
 
 Per arm: the same ``--num-prompts`` prompts (``benchmarks/prompts``, round
 robin over code, text, repetitive) are sent at ``--concurrency`` as greedy
@@ -55,14 +57,12 @@ LAYOUTS = {
     "tp2": (["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"],
             {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
     "dp2": (["--data-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
-    "pp2": (["--pipeline-parallel-size", "2", "--distributed-executor-backend", "mp"],
-            {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
     # TP=2 through Ray actors on a local Ray cluster (needs `ray` and the
     # CPU resource mapping of vllm_loopspec.patches; see README).
     "tp2ray": (["--tensor-parallel-size", "2", "--distributed-executor-backend", "ray"],
                {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
 }
-ARMS = ["tp1-native", "tp1-loopspec", "tp2-native", "tp2-loopspec", "dp2-native", "dp2-loopspec", "pp2-native"]
+ARMS = ["tp1-native", "tp1-loopspec", "tp2-native", "tp2-loopspec", "dp2-native", "dp2-loopspec"]
 
 
 def server_args(arm: str, spec: dict | None = None) -> tuple[list[str], dict[str, str]]:

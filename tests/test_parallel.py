@@ -55,7 +55,7 @@ def test_pipeline_parallel_is_refused_with_what_to_use_instead(tiny_checkpoint):
     with pytest.raises(LoopSpecConfigError) as err:
         _config(tiny_checkpoint, pipeline_parallel_size=2)
     assert str(err.value) == PIPELINE_PARALLEL_REFUSAL
-    for advice in ("--tensor-parallel-size", "--data-parallel-size", "no --speculative-config"):
+    for advice in ("--tensor-parallel-size", "--data-parallel-size", "without loopspec either"):
         assert advice in str(err.value)
 
 

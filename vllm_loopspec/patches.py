@@ -87,8 +87,9 @@ PIPELINE_PARALLEL_REFUSAL = (
     "token of a round needs the logits of the last layer before the next draft can start on the "
     "first, so a round would cross the pipeline once per draft tick with every other stage idle. "
     "Use --tensor-parallel-size to split the model within a node and --data-parallel-size (one "
-    "replica per node, --data-parallel-backend ray across nodes) to scale out; or serve with "
-    "pipeline parallelism and no --speculative-config."
+    "replica per node, --data-parallel-backend ray across nodes) to scale out. (Ouro does not run "
+    "pipeline-parallel without loopspec either: its loops re-apply every layer, so each token would "
+    "cross the pipeline R times, and vLLM's PP runs each stage once per step.)"
 )
 
 _applied = False
