@@ -454,6 +454,25 @@ def burst_section(rec: dict) -> list[str]:
     lines += ["", "![policy K over time](results/plots/adaptive_burst.png)", ""]
 
 
+def compile_mode_section(rec: dict) -> list[str]:
+    """Native and loopspec, eager and in vLLM's default (compiled) mode
+    (benchmarks/gpu_decode.py run on CPU)."""
+    rows = [r for r in rec["results"] if r.get("tokens_per_s") is not None]
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["arm"] == "native default mode"}
+    lines = [f"Command: `python benchmarks/gpu_decode.py --skip-large --repeats {rec['repeats']}` ({rec['when']}, "
+             f"device {rec['device']}, torch {rec['torch']}): the bundled checkpoint in fp32, "
+             f"{rec['new_tokens']} greedy tokens per request, batches of 1 and 8, median of {rec['repeats']} "
+             "trials; arms run one after another, each in its own process. loopspec is K=4, d=2, fixed K. "
+             "In the default mode a loopspec engine runs its plain steps through vLLM's compiled `forward` and "
+             "every tick of a round through the compiled `OuroTick`.", "",
+             "| arm | batch | tok/s | vs native compiled |", "|---|---|---|---|"]
+    for r in rows:
+        ref = base.get(r["batch"])
+        ratio = f"{r['tokens_per_s'] / ref:.2f}×" if ref else "–"
+        lines.append(f"| {r['arm']} | {r['batch']} | {r['tokens_per_s']:.1f} | {ratio} |")
+    return lines + [""]
+
+
 def parallel_section(rec: dict) -> list[str]:
     """TP=2 and DP=2 against TP=1 (benchmarks/parallel_decode.py)."""
     base = rec["baseline"]
@@ -534,6 +553,9 @@ def main() -> None:
         lines += per_position_table(sampled) + [""]
     else:
         lines += ["(no sampled run recorded)", ""]
+    compiled = load("cpu_default_mode_decode.json")
+    lines += ["## vLLM's default (compiled) mode on CPU", ""]
+    lines += compile_mode_section(compiled) if compiled else ["(no compile-mode run recorded)", ""]
     adaptive, burst = load("adaptive_sweep.json"), load("adaptive_burst.json")
     lines += ["## Adaptive policy (issue 13)", ""]
     lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
