@@ -378,7 +378,7 @@ def pd_section(serving: dict | None, transfer: dict | None) -> list[str]:
     lines = []
     note = (serving or transfer or {}).get("env", {}).get("shared_machine")
     if note:
-        lines += [f"**Noisy**: {note}.", ""]
+        lines += [f"**Machine**: {note}.", ""]
     if serving:
         s = serving["settings"]
         lines += [f"`{as_text(s['command'])}` ({serving['env']['timestamp']}): {s['num_prompts']} prompts "
