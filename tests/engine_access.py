@@ -4,6 +4,8 @@ The attribute path itself lives in ``vllm_loopspec.engine_internals``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -109,3 +111,18 @@ def observe_loops(llm, observer):
 
     model.run_tick = run_tick
     return lambda: model.__dict__.pop("run_tick", None)
+
+
+def until(check, timeout: float = 60.0, every: float = 0.25):
+    """Call ``check()`` until it stops raising AssertionError (servers'
+    counters lag their responses: worker snapshots reach /metrics through a
+    flush thread, KV is freed after the response); re-raise its last failure
+    after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(every)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from conftest import MAX_MODEL_LEN
+from engine_access import until
 from prompts import MEDIUM, SHORT, long_prompt
 
 pytest.importorskip("nixl", reason="the pd extra (nixl==1.5.1) is not installed")
@@ -48,19 +49,6 @@ REQUEST_TIMEOUT_S = 120.0
 OUT = 24
 
 
-def _until(check, timeout: float = IDLE_TIMEOUT_S, every: float = 0.25):
-    """Call ``check()`` until it stops raising AssertionError; re-raise its last
-    failure after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return check()
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(every)
-
-
 def _kv_usage(server) -> float:
     return metric_sum(server.metrics(), "vllm:kv_cache_usage_perc")
 
@@ -73,7 +61,7 @@ def _assert_kv_freed(*servers) -> None:
             assert metric_sum(text, "vllm:num_requests_waiting") == 0, s.url
             assert metric_sum(text, "vllm:kv_cache_usage_perc") == 0, f"KV left on {s.url}"
 
-    _until(freed)
+    until(freed, IDLE_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +146,7 @@ def test_greedy_pd_equals_native_sequential(pd, pd_prompts, native_greedy):
         assert src_a["local_compute"] == src_b["local_compute"] == 0
         assert metric_sum(after, "vllm:nixl_xfer_time_seconds_count") > 0
 
-    _until(decode_counters, timeout=30)
+    until(decode_counters, timeout=30)
 
 
 def test_greedy_pd_equals_native_8_concurrent(pd, pd_prompts, native_greedy):
@@ -275,7 +263,7 @@ def test_fault_prefill_blocks_never_pulled(pd, pd_prompts):
     assert _kv_usage(pd.prefill) > 0  # held for a decode instance
     _assert_kv_freed(pd.prefill, pd.decode)  # within IDLE_TIMEOUT_S (> KV_LEASE_S)
     # vLLM counts the lease that ran out on the prefill side.
-    _until(lambda: _assert_more(pd.prefill, "vllm:nixl_num_kv_expired_reqs_total", expired), timeout=30)
+    until(lambda: _assert_more(pd.prefill, "vllm:nixl_num_kv_expired_reqs_total", expired), timeout=30)
     assert _completion(pd.client, pd_prompts[0])  # both sides still serve
 
 
@@ -294,7 +282,7 @@ def test_fault_handshake_fails_request_recomputed(pd, pd_prompts, native_greedy)
     before = prompt_tokens_by_source(pd.decode.metrics())
     out = _completion(pd.decode, prompt, kv_transfer_params=params)
     assert out == native_greedy[prompt]
-    _until(lambda: _assert_recomputed(pd.decode, before), timeout=30)
+    until(lambda: _assert_recomputed(pd.decode, before), timeout=30)
     _assert_kv_freed(pd.prefill, pd.decode)
     assert _completion(pd.client, pd_prompts[0]) == native_greedy[pd_prompts[0]]
 
@@ -348,7 +336,7 @@ def test_fault_prefill_killed_before_decode_pulls(pd, pd_prompts, native_greedy)
     pd.prefill.kill()
     before = prompt_tokens_by_source(pd.decode.metrics())
     assert _completion(pd.decode, prompt, kv_transfer_params=params) == native_greedy[prompt]
-    _until(lambda: _assert_recomputed(pd.decode, before), timeout=30)
+    until(lambda: _assert_recomputed(pd.decode, before), timeout=30)
     _assert_kv_freed(pd.decode)
     assert _completion(pd.client, pd_prompts[0]) == native_greedy[pd_prompts[0]]
     assert pd.router.counts["prefill_unreachable"] >= 1

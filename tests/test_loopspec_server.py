@@ -6,21 +6,8 @@ import time
 
 import pytest
 
+from engine_access import until
 from vllm_loopspec.server_process import VllmServer
-
-
-def _until(check, timeout: float = 60.0):
-    """Call ``check()`` until it stops raising AssertionError (worker
-    snapshots reach /metrics through a flush thread, so counters lag the
-    response a little); re-raise its last failure after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return check()
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def _metric_or_zero(text: str, name: str, labels: str = "") -> float:
@@ -81,7 +68,7 @@ def test_metrics_endpoint_has_spec_decode_and_loopspec_counters(spec_server):
         time.sleep(0.5)  # > the workers' flush period
         assert snapshot() == first
 
-    _until(idle, timeout=300)
+    until(idle, timeout=300)
     before, rows_before, skipped_before = snapshot()
     body = {"model": spec_server.model_name(), "prompt": "import os\n", "max_tokens": 16, "temperature": 0,
             "ignore_eos": True}
@@ -98,4 +85,4 @@ def test_metrics_endpoint_has_spec_decode_and_loopspec_counters(spec_server):
         assert rows[0] > 0 and rows == [rows[0]] * 4
         assert skipped_after - skipped_before >= 3
 
-    _until(counters_agree)
+    until(counters_agree)
