@@ -95,3 +95,55 @@ def test_router_binds_a_free_port_when_it_starts_and_raises_a_failed_bind():
             Router("http://127.0.0.1:1", "http://127.0.0.1:2", port=router.port).start_in_thread()
     finally:
         router.stop()
+
+
+def test_router_resends_when_a_backend_drops_a_reused_connection_before_answering():
+    """vLLM's server closes idle keep-alive connections; a request sent on one
+    it is closing never reaches the engine. The router sends it again on a new
+    connection instead of failing it (CI saw a 500 from exactly this)."""
+    import asyncio
+    import json
+    import threading
+    import urllib.request
+
+    from vllm_loopspec.disagg.router import Router
+
+    answered = []
+
+    async def handle(reader, writer):
+        # Each connection answers its first request, then drops the next one
+        # unanswered, as a server closing an idle keep-alive connection does.
+        for turn in range(2):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")][0])
+            await reader.readexactly(length)
+            if turn == 1:
+                break
+            answered.append(head.split(b" ")[1].decode())
+            body = json.dumps({"choices": [{"text": "x", "token_ids": [1]}],
+                               "kv_transfer_params": {"remote_block_ids": [0]}}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+        writer.close()
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    backend = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    router = Router(backend, backend, port=0).start_in_thread()
+    try:
+        for _ in range(3):
+            req = urllib.request.Request(router.url + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "a", "max_tokens": 2}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                assert r.status == 200 and json.load(r)["choices"][0]["token_ids"] == [1]
+        assert len(answered) == 6 and router.counts["prefill_unreachable"] == 0
+        assert router.counts["resent"] >= 1
+    finally:
+        router.stop()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)

@@ -38,6 +38,15 @@ from aiohttp import web
 
 logger = logging.getLogger("vllm_loopspec.disagg.router")
 
+# vLLM's API server closes a keep-alive connection after
+# VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s by default) idle; aiohttp keeps idle
+# connections 15 s. A pooled connection the server is closing at the moment
+# we reuse it fails the send ("Can not write request body"). Dropping idle
+# connections well before the server does removes that race; the one resend
+# below covers a server started with a shorter keep-alive.
+BACKEND_IDLE_KEEPALIVE_S = 1.0
+RESENDABLE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientConnectionResetError)
+
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -72,7 +81,7 @@ class Router:
         self.prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=10)
         self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=decode_read_timeout_s)
         self.timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
-        self.counts = {"routed": 0, "prefill_unreachable": 0, "prefill_failed": 0}
+        self.counts = {"routed": 0, "prefill_unreachable": 0, "prefill_failed": 0, "resent": 0}
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -90,7 +99,8 @@ class Router:
         return app
 
     async def _open(self, _app) -> None:
-        self._session = aiohttp.ClientSession(timeout=self.timeout)
+        connector = aiohttp.TCPConnector(keepalive_timeout=BACKEND_IDLE_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(timeout=self.timeout, connector=connector)
 
     async def _close(self, _app) -> None:
         if self._session:
@@ -130,8 +140,8 @@ class Router:
 
         decode = dict(body)
         try:
-            async with self._session.post(self.prefill_url + path, json=prefill_body(body),
-                                          headers=headers, timeout=self.prefill_timeout) as r:
+            async with await self._post(self.prefill_url + path, prefill_body(body), headers,
+                                        self.prefill_timeout) as r:
                 if r.status != 200:
                     # The request itself is bad (the decode side would refuse it
                     # alike): relay prefill's answer.
@@ -148,8 +158,7 @@ class Router:
             logger.warning("prefill instance %s unreachable (%s): request %s is computed by the decode "
                            "instance", self.prefill_url, e, request_id)
 
-        async with self._session.post(self.decode_url + path, json=decode, headers=headers,
-                                      timeout=self.decode_timeout) as r:
+        async with await self._post(self.decode_url + path, decode, headers, self.decode_timeout) as r:
             if not decode.get("stream"):
                 return web.Response(body=await r.read(), status=r.status,
                                     content_type=r.content_type or "application/json")
@@ -160,6 +169,18 @@ class Router:
                 await out.write(chunk)
             await out.write_eof()
             return out
+
+    async def _post(self, url: str, body: dict[str, Any], headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """POST, sent a second time (on a new connection) when the first send
+        fails before any response: the server closed the connection (an idle
+        keep-alive it was dropping), so it never ran the request."""
+        try:
+            return await self._session.post(url, json=body, headers=headers, timeout=timeout)
+        except RESENDABLE as e:
+            self.counts["resent"] += 1
+            logger.info("resending to %s after the connection dropped before any response (%s)", url, e)
+            return await self._session.post(url, json=body, headers=headers, timeout=timeout)
 
     # -- running -------------------------------------------------------------
     def run(self) -> None:
