@@ -7,8 +7,9 @@ Inputs (each section is skipped with a note when its file is missing):
 ``kv_sweep.json`` (offline grid), ``kv_sweep_<set>.json`` (per prompt set),
 ``serving.json`` (``vllm bench serve``), ``cost_curve.json`` (loop cost vs
 rows), ``adaptive_sweep.json`` and ``adaptive_burst.json`` (the adaptive
-policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``), and
-the hand-written ``findings.md`` placed at the top of the page.
+policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``),
+``pd_descriptors.json`` (``nixl_descriptors.py``), and the hand-written
+``findings.md`` placed at the top of the page.
 """
 
 from __future__ import annotations
@@ -374,7 +375,49 @@ def pd_transfer_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pd_section(serving: dict | None, transfer: dict | None) -> list[str]:
+PD_DESC_ROWS = (("gapped", "one_region", "separate ranges, one registered region"),
+                ("gapped", "per_descriptor", "separate ranges, one region per descriptor"),
+                ("contiguous", "one_region", "adjacent ranges (NIXL merges them into 1)"))
+
+
+def pd_descriptors_table(rec: dict) -> str:
+    """Median ms (min-max) of one READ, by total size (rows) and descriptor count (columns)."""
+    rows = [r for r in rec["rows"] if "ms_median" in r]
+    counts = sorted({r["descriptors"] for r in rec["rows"]})
+    lines = ["| MiB | descriptors laid out as | " + " | ".join(f"D={d}" for d in counts) + " |",
+             "|---|---|" + "---|" * len(counts)]
+    for mib in sorted({r["mib"] for r in rows}):
+        for lay, reg, label in PD_DESC_ROWS:
+            cells = []
+            for d in counts:
+                hit = next((r for r in rows if (r["mib"], r["descriptors"], r["layout"], r["registration"])
+                            == (mib, d, lay, reg)), None)
+                if lay == "contiguous" and d == 1:
+                    hit = None
+                cells.append("–" if hit is None else f"{hit['ms_median']:.1f} ({hit['ms_min']:.1f}–{hit['ms_max']:.1f})")
+            if any(c != "–" for c in cells):
+                lines.append(f"| {mib:g} | {label} | " + " | ".join(cells) + " |")
+    failed = [r for r in rec["rows"] if "error" in r]
+    if failed:
+        lines += ["", "Not measured: " + "; ".join(f"{r['mib']:g} MiB D={r['descriptors']}: {r['error'][:80]}"
+                                                  for r in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def pd_descriptors_section(rec: dict) -> list[str]:
+    env, s = rec["env"], rec["settings"]
+    ucx = ", ".join(f"{k}={v}" for k, v in env["ucx"].items())
+    return [f"NIXL READ cost vs descriptor count: `{as_text(s['command'])}` ({env['timestamp']}): nixl "
+            f"{env['nixl']}, UCX ({ucx}), {env['num_threads']} UCX threads as vLLM configures them, two agents "
+            f"in two processes; one READ = `make_prepped_xfer` + `transfer` + polling until DONE, median "
+            f"(min–max) ms of {s['repeats']} after {s['warmup']} warm-up; descriptors under "
+            f"{s['min_desc_bytes'] // 1024} KiB skipped. Load average at start/end "
+            f"{env['loadavg_start'][0]:.1f}/{env['loadavg_end'][0]:.1f} on {env['cpu_count']} cores"
+            + (f"; {env['note']}." if env.get("note") else "."), "",
+            *pd_descriptors_table(rec).splitlines(), ""]
+
+
+def pd_section(serving: dict | None, transfer: dict | None, descriptors: dict | None = None) -> list[str]:
     lines = []
     note = (serving or transfer or {}).get("env", {}).get("shared_machine")
     if note:
@@ -393,6 +436,8 @@ def pd_section(serving: dict | None, transfer: dict | None) -> list[str]:
                   f"{transfer['settings']['repeats']}; transfer time, bytes and descriptors from the decode "
                   "instance's `vllm:nixl_*` metrics, legs timed by the client.", ""]
         lines += pd_transfer_table(transfer).splitlines() + [""]
+    if descriptors:
+        lines += pd_descriptors_section(descriptors)
     return lines or ["(no P/D run recorded)"]
 
 
@@ -568,7 +613,8 @@ def main() -> None:
     lines += serving_section(serving) if serving else ["(no serving run recorded)"]
     lines += ["", "## Disaggregated prefill/decode (`benchmarks/pd_bench.py`)", ""]
     pd_serving, pd_transfer = load("pd_serving.json"), load("pd_transfer.json")
-    lines += pd_section(pd_serving, pd_transfer)
+    pd_descriptors = load("pd_descriptors.json")
+    lines += pd_section(pd_serving, pd_transfer, pd_descriptors)
     lines += ["", "## Cost curve: one loop pass vs rows", ""]
     lines += cost_curve_section(curve, sweep) if curve else ["(no cost-curve run recorded)"]
     lines += ["", "## Beyond one device", ""]
@@ -591,7 +637,7 @@ def main() -> None:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
         lines.append(as_text(serving["settings"]["command"]))
-    for rec in (pd_serving, pd_transfer):
+    for rec in (pd_serving, pd_transfer, pd_descriptors):
         if rec:
             lines.append(as_text(rec["settings"]["command"]))
     if parallel:

@@ -147,3 +147,27 @@ def test_router_resends_when_a_backend_drops_a_reused_connection_before_answerin
         router.stop()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+def test_nixl_descriptor_counts_match_the_recorded_vllm_pulls():
+    """benchmarks/nixl_descriptors.py's arithmetic: vLLM posts one descriptor per KV
+    layer per block, NIXL merges a layer's adjacent blocks, a cross-layer row is one."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "nixl_descriptors.py"
+    spec = importlib.util.spec_from_file_location("nixl_descriptors", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # imports nothing from nixl at module level
+    assert bench.descriptor_counts(2, 4, blocks=8) == {"posted": 64, "after_merge": 8, "cross_layer": 1}
+    assert bench.descriptor_counts(24, 4, blocks=8, block_runs=3) == {"posted": 768, "after_merge": 288,
+                                                                      "cross_layer": 3}
+    shapes = {(r["shape"].split()[0], r["prompt_tokens"]): r for r in bench.pull_shapes()}
+    # benchmarks/results/pd_transfer.json: the bundled checkpoint moved 1, 1, 4, 8 MiB in 8 descriptors
+    assert [shapes["bundled", n]["mib"] for n in (16, 128, 512, 1024)] == [1, 1, 4, 8]
+    assert {shapes["bundled", n]["after_merge"] for n in (16, 128, 512, 1024)} == {8}
+    assert shapes["Ouro-1.4B", 16]["mib"] == 192 and shapes["Ouro-1.4B", 16]["after_merge"] == 96
+    assert bench.layout(1000, 64, 4, gapped=True) == [(1000, 16), (1032, 16), (1064, 16), (1096, 16)]
+    assert bench.cases([1], [1, 8, 512], contiguous=True) == [(1, 1, False, True), (1, 1, True, True),
+                                                               (1, 8, False, True), (1, 8, True, True),
+                                                               (1, 8, False, False)]
