@@ -72,7 +72,7 @@ bench-all: $(STAMP)
 # vLLM's default compiled mode, greedy and T=0.8 (~40 min on 2 cores), and
 # the burst workload; keep the machine otherwise idle.
 bench-adaptive: $(STAMP)
-	$(PY) benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 --repeats 3 \
+	$(PY) benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 --repeats 5 \
 	  --out benchmarks/results/adaptive_sweep.json
 	$(PY) benchmarks/adaptive_burst.py --compiled
 

@@ -169,3 +169,63 @@ def test_pinned_start_k_is_used_until_costs_are_fitted():
     c = AdaptiveController(max_k=8, start_k=3)
     drafts = [c.plan([("a", False, 8)])[0][0] for _ in range(8)]
     assert c.costs is None and set(drafts) == {0, 1, 3, 8}
+
+
+def drive_measured(controller, requests, costs, acceptance_reported, committed_per_row, steps):
+    """Like :func:`drive`, but the rounds report ``acceptance_reported`` to the
+    policy while a round really commits ``committed_per_row(k)`` tokens per
+    row: a model whose inputs are wrong (stale or optimistic estimates, a
+    cost it cannot see), which only the delivered rate reveals."""
+    history = []
+    for _ in range(steps):
+        drafts, skipped = controller.plan(requests)
+        ticks = max(drafts, default=0)
+        tokens = len(requests) + sum(drafts)
+        seconds = (costs.plain_step(tokens) if ticks == 0
+                   else costs.spec_step(ticks, sum(1 for k in drafts if k), tokens))
+        committed = sum(committed_per_row(k) for k in drafts)
+        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds,
+                                width=len(requests), committed=committed)
+        controller.observe_gap(0.001)
+        for (req_id, sampled, _), k in zip(requests, drafts):
+            if k:
+                controller.observe_round(req_id, sampled, k, int(round(k * acceptance_reported)))
+        history.append((drafts, skipped, controller.history[-1].reason))
+    return history
+
+
+def test_measured_rate_guard_turns_a_losing_speculation_plain():
+    """The policy believes in speculation (acceptance reported high), but
+    rounds deliver one token per row: speculative steps then deliver fewer
+    tokens per second than plain ones at this width, and the guard makes the
+    steps plain (counted as measured_rate, then the width cap)."""
+    from vllm_loopspec.speculative.adaptive import SKIP_MEASURED
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(4)]
+    history = drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1, 300)
+    assert c.speculation_loses(4)
+    assert any(reason == SKIP_MEASURED for _, _, reason in history)
+    assert any(s.get(SKIP_MEASURED) for _, s, _ in history)
+    late = history[-100:]
+    plain_share = sum(not any(d) for d, _, _ in late) / len(late)
+    assert plain_share > 0.85, plain_share  # probes and exploration only
+    assert not c.armed and c.cap == 4
+
+
+def test_measured_rate_guard_keeps_a_paying_speculation():
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(4)]
+    history = drive_measured(c, reqs, CPU_LIKE, 0.9, lambda k: 1 + int(0.9 * k), 300)
+    assert not c.speculation_loses(4) and c.armed
+    assert sum(any(d) for d, _, _ in history[-100:]) > 80
+
+
+def test_rates_are_compared_per_width_bucket():
+    from vllm_loopspec.speculative.adaptive import width_bucket
+
+    assert [width_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(4)]
+    drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1, 300)
+    assert c.speculation_loses(3) and not c.speculation_loses(8)  # 8 is another bucket, unmeasured

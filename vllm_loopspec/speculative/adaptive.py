@@ -6,7 +6,7 @@
   mode (greedy and sampled requests accept differently).
 * **Step costs**, fitted by least squares from the engine's own step timings
   (model runner from ``execute_model`` to the end of ``sample_tokens``, plus
-  the median gap between steps: the scheduler and output handling). Until
+  the median gap after each kind of step: the scheduler and output handling). Until
   both kinds of step have been timed in enough shapes (warm-up), rounds use
   the configured starting K, cycling through other K and plain steps to
   sample the shapes; afterwards one step in :data:`EXPLORE_EVERY` tries a
@@ -20,6 +20,15 @@
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
+* **Measured-rate guard**: the model above predicts; the guard checks. For
+  decode-only steps it keeps the committed tokens per second that plain
+  steps and speculative steps actually delivered, per batch-width bucket
+  (powers of two). Where speculation has delivered less than plain decoding
+  at this width, a speculative decision becomes a plain step (counted as
+  ``measured_rate``, and toward the width cap), so a cost model that is off
+  at some width (a per-row cost it could not separate, a busy machine)
+  cannot keep the engine slower than native. Exploration and the disarmed
+  probes keep both figures fresh.
 
 No constant here is a machine cost; every cost comes from measurement.
 """
@@ -50,6 +59,13 @@ PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
 SKIP_WIDTH_CAP = "width_cap"
 SKIP_LOW_ACCEPTANCE = "low_acceptance"
 SKIP_COST = "cost_model"
+SKIP_MEASURED = "measured_rate"
+
+# The measured-rate guard: weight of a new step's rate once a bucket has this
+# many samples (a running mean before), and samples both kinds of step need
+# at a width before the guard speaks.
+GUARD_WEIGHT = 0.1
+GUARD_MIN_SAMPLES = 4
 
 
 @dataclass
@@ -83,6 +99,23 @@ class _Estimate:
 
 
 @dataclass
+class _Rate:
+    """Committed tokens per second of one kind of step, weighted to recent."""
+
+    value: float = 0.0
+    samples: int = 0
+
+    def update(self, rate: float) -> None:
+        self.samples += 1
+        self.value += max(1.0 / self.samples, GUARD_WEIGHT) * (rate - self.value)
+
+
+def width_bucket(width: int) -> int:
+    """Widths 1, 2, 3-4, 5-8, 9-16, ...: rates are compared within a bucket."""
+    return max(int(width) - 1, 0).bit_length()
+
+
+@dataclass
 class _RequestState:
     acceptance: _Estimate
     paused_until: int = -1
@@ -97,7 +130,7 @@ class StepRecord:
     step: int
     width: int
     drafts: tuple[int, ...]
-    reason: str  # "warmup" | "explore" | "policy" | "width_cap"
+    reason: str  # "warmup" | "explore" | "policy" | "width_cap" | "measured_rate"
 
 
 @dataclass
@@ -116,9 +149,15 @@ class AdaptiveController:
         self._engine_acceptance = {mode: _Estimate.prior(self.max_k) for mode in (False, True)}
         self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, seconds)
         self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, seconds)
-        self._gaps: deque = deque(maxlen=64)
+        # Time between a step's end and the next step's start (scheduler,
+        # output handling), by the kind of the step it follows: a round
+        # hands back more tokens than a plain step.
+        self._gaps: dict[bool, deque] = {False: deque(maxlen=64), True: deque(maxlen=64)}
+        self._last_kind: bool | None = None  # speculative? of the last timed step
+        self._pending_rate: tuple[tuple[int, bool], int, float] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
+        self._rates: dict[tuple[int, bool], _Rate] = {}  # (width bucket, speculative) -> delivered
 
     # -- measurements -------------------------------------------------------------
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
@@ -132,14 +171,21 @@ class AdaptiveController:
         if state.probing:
             state.probing = False
 
-    def observe_step(self, ticks: int, spec_rows: int, tokens: int, seconds: float) -> None:
+    def observe_step(self, ticks: int, spec_rows: int, tokens: int, seconds: float,
+                     width: int | None = None, committed: int | None = None) -> None:
         """A timed engine step (``ticks == 0``: plain). The first step of
         each shape is not a sample: it pays one-off work (kernel selection,
-        compilation of a new size) that later steps of the shape do not."""
+        compilation of a new size) that later steps of the shape do not.
+        ``width``/``committed``: for a decode-only step, its requests and
+        the tokens they committed (the measured-rate guard's input)."""
         shape = (ticks, spec_rows, tokens)
+        self._last_kind, self._pending_rate = ticks > 0, None
         if shape not in self._shapes_seen:
             self._shapes_seen.add(shape)
             return
+        if width and committed:
+            # Its rate counts the gap that follows it (observe_gap).
+            self._pending_rate = ((width_bucket(width), ticks > 0), committed, seconds)
         if ticks == 0:
             self._plain.append((tokens, seconds))
         else:
@@ -150,7 +196,16 @@ class AdaptiveController:
 
     def observe_gap(self, seconds: float) -> None:
         """Time between the end of one step and the start of the next."""
-        self._gaps.append(seconds)
+        if self._last_kind is None:
+            return
+        gaps = self._gaps[self._last_kind]
+        gaps.append(seconds)
+        if self._pending_rate is not None:
+            # The median gap of the kind, not this one: a gap may hold idle
+            # time (no request arrived), which is not the step's cost.
+            key, committed, step_seconds = self._pending_rate
+            self._rates.setdefault(key, _Rate()).update(committed / max(step_seconds + float(np.median(gaps)), 1e-9))
+            self._pending_rate = None
 
     def forget(self, live_req_ids) -> None:
         """Drop the state of requests no longer in the batch."""
@@ -191,18 +246,26 @@ class AdaptiveController:
         decision = decide(candidates, self.costs, self.max_k, other_tokens)
         drafts = list(decision.drafts)
         reason = "policy"
+        measured_loss = not decision.plain and self.speculation_loses(width)
         if not self.armed:
-            if decision.plain:
-                drafts = [min(1, c.max_drafts) for c in candidates]
+            if decision.plain or measured_loss:
+                # Stay disarmed; measure a round of this width: the policy's
+                # own drafts where it wanted to speculate, else one draft.
+                if decision.plain:
+                    drafts = [min(1, c.max_drafts) for c in candidates]
                 self._record(width, drafts, "explore")
                 return drafts, skipped
             self.armed, self.cap = True, None
+        if measured_loss:
+            drafts, reason = [0] * width, SKIP_MEASURED
         eligible = any(c.max_drafts for c in candidates)
-        self.plain_streak = self.plain_streak + 1 if decision.plain and eligible else 0
+        plain = decision.plain or measured_loss
+        self.plain_streak = self.plain_streak + 1 if plain and eligible else 0
         if self.plain_streak >= DISARM_AFTER:
             self.armed, self.cap, self.plain_streak = False, width, 0
         if self.step % EXPLORE_EVERY == 0:
-            drafts = self._explore(drafts, [c.max_drafts for c in candidates])
+            drafts = self._explore(list(decision.drafts) if measured_loss else drafts,
+                                   [c.max_drafts for c in candidates])
             reason = "explore"
         for i, (req_id, _, limit) in enumerate(requests):
             state = self._requests[req_id]
@@ -217,9 +280,19 @@ class AdaptiveController:
                 self._pause(state)
                 skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
             elif drafts[i] == 0 and limit > 0:
-                skipped[SKIP_COST] = skipped.get(SKIP_COST, 0) + 1
+                why = SKIP_MEASURED if reason == SKIP_MEASURED else SKIP_COST
+                skipped[why] = skipped.get(why, 0) + 1
         self._record(width, drafts, reason)
         return drafts, skipped
+
+    def speculation_loses(self, width: int) -> bool:
+        """Speculative steps of this width bucket have delivered fewer
+        committed tokens per second than plain ones (both measured enough)."""
+        bucket = width_bucket(width)
+        plain, spec = self._rates.get((bucket, False)), self._rates.get((bucket, True))
+        if plain is None or spec is None or min(plain.samples, spec.samples) < GUARD_MIN_SAMPLES:
+            return False
+        return spec.value < plain.value
 
     # -- internals ----------------------------------------------------------------
     def _request(self, req_id: str, sampled: bool) -> _RequestState:
@@ -255,7 +328,8 @@ class AdaptiveController:
 
     def _refit(self) -> None:
         self._new_samples = 0
-        gap = float(np.median(self._gaps)) if self._gaps else 0.0
+        every_gap = [g for kind in (False, True) for g in self._gaps[kind]]
+        gap = {kind: float(np.median(self._gaps[kind] or every_gap or [0.0])) for kind in (False, True)}
         plain = np.array(self._plain, dtype=np.float64).reshape(-1, 2)
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
@@ -275,8 +349,8 @@ class AdaptiveController:
             plain_coef = None
         if plain_coef is None or spec_coef is None:
             return
-        plain_coef[0] += gap
-        spec_coef[0] += gap
+        plain_coef[0] += gap[False]
+        spec_coef[0] += gap[True]
         self.costs = StepCosts(plain=tuple(float(c) for c in plain_coef), spec=tuple(float(c) for c in spec_coef))
 
     def _record(self, width: int, drafts: list[int], reason: str) -> None:

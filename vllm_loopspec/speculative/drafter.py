@@ -69,6 +69,8 @@ class LoopSpecDrafter:
                 start_k=self.options.num_speculative_tokens,
             )
         self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
+        self._step_width: int | None = None  # requests of a decode-only step
+        self._step_committed: int | None = None  # tokens the step committed (propose)
         self._step_start = 0.0
         self._step_end: float | None = None
 
@@ -111,6 +113,7 @@ class LoopSpecDrafter:
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
         """Placeholder drafts for the next step, ``K_i`` per request."""
         self._count_acceptance(sampled_token_ids)
+        self._step_committed = sum(len(t) for t in sampled_token_ids)
         max_len = self.runner.model_config.max_model_len
         batch = self.runner.input_batch
         limits: list[int | None] = []
@@ -172,8 +175,13 @@ class LoopSpecDrafter:
         if self.controller is None or not tokens:
             self._step_shape = None
             return
-        drafts = [len(t) for t in scheduler_output.scheduled_spec_decode_tokens.values()]
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        drafts = [len(t) for t in spec_tokens.values()]
         self._step_shape = (max(drafts, default=0), sum(1 for k in drafts if k), tokens)
+        scheduled = scheduler_output.num_scheduled_tokens
+        decode_only = all(n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in scheduled.items())
+        self._step_width = len(scheduled) if decode_only else None
+        self._step_committed = None
         if self._step_end is not None:
             self.controller.observe_gap(now - self._step_end)
         self._step_start = now
@@ -182,7 +190,8 @@ class LoopSpecDrafter:
         if self._step_shape is None:
             return
         self._step_end = time.perf_counter()
-        self.controller.observe_step(*self._step_shape, self._step_end - self._step_start)
+        self.controller.observe_step(*self._step_shape, self._step_end - self._step_start,
+                                     width=self._step_width, committed=self._step_committed)
         self._step_shape = None
 
     def _count_acceptance(self, sampled_token_ids) -> None:
