@@ -120,6 +120,7 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
         engine_args.speculative_config,
         target_model_config.hf_config,
         getattr(target_model_config, "architectures", None),
+        model_path=getattr(target_model_config, "model", None),
     )
     if target_parallel_config.pipeline_parallel_size > 1:
         raise LoopSpecConfigError(PIPELINE_PARALLEL_REFUSAL)

@@ -8,7 +8,9 @@ before the engine starts or a port is bound.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 METHOD = "loopspec"
@@ -18,6 +20,9 @@ ADDITIONAL_CONFIG_KEY = "loopspec"
 MAX_SPECULATIVE_TOKENS = 128
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 DEFAULT_MAX_SPECULATIVE_TOKENS = 8
+# Written by ``python -m vllm_loopspec.tools.calibrate CKPT`` into the
+# checkpoint directory; ``"draft_loops": "auto"`` reads its ``draft_loops``.
+CALIBRATION_FILE = "loopspec_calibration.json"
 ALLOWED_KEYS = {"method", "num_speculative_tokens", "max_speculative_tokens", "adaptive", "draft_loops",
                 "skip_logprobs_requests"}
 
@@ -38,7 +43,9 @@ class LoopSpecOptions:
     """Choose K per request and step from measured costs and acceptance
     (:mod:`vllm_loopspec.speculative.policy`); off: always K."""
     draft_loops: int | None = None
-    """d: loops that draft (1 <= d < R). Default (or "auto"): R // 2."""
+    """d: loops that draft (1 <= d < R). Unset: R // 2. ``"auto"``: the
+    calibrated ``d1*`` of the checkpoint's ``loopspec_calibration.json``, or
+    R // 2 when the checkpoint has none."""
     skip_logprobs_requests: bool = True
     """Requests asking for logprobs decode one token per step (counted as
     skipped) so their logprobs are exactly those of native decoding."""
@@ -80,8 +87,40 @@ def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: list[str] | None) -> LoopSpecOptions:
-    """Validate the user's loopspec request against the model; fill defaults."""
+def calibrated_draft_loops(model_path: str | Path | None, loops: int) -> int | None:
+    """``d1*`` from ``<model_path>/loopspec_calibration.json``; ``None`` when
+    the model is not a local directory or has no such file. A file that is
+    not a calibration of this model is refused, naming the file."""
+    if model_path is None or not Path(model_path).is_dir():
+        return None
+    path = Path(model_path) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    fix = (f"rerun `python -m vllm_loopspec.tools.calibrate {model_path}` or remove the file "
+           "(\"auto\" then drafts with R // 2 loops), or set draft_loops to an integer.")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoopSpecConfigError(f"loopspec draft_loops \"auto\": {path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise LoopSpecConfigError(f"loopspec draft_loops \"auto\": {path} is not a JSON object; {fix}")
+    if data.get("loops") != loops:
+        raise LoopSpecConfigError(
+            f"loopspec draft_loops \"auto\": {path} was calibrated for loops={data.get('loops')!r}, "
+            f"but the model has total_ut_steps={loops}; {fix}")
+    d = data.get("draft_loops")
+    if not _positive_int(d) or not 1 <= d < loops:
+        raise LoopSpecConfigError(
+            f"loopspec draft_loops \"auto\": {path} has draft_loops={d!r}, not an integer with "
+            f"1 <= draft_loops < total_ut_steps ({loops}); {fix}")
+    return d
+
+
+def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: list[str] | None,
+                    model_path: str | Path | None = None) -> LoopSpecOptions:
+    """Validate the user's loopspec request against the model; fill defaults.
+    ``model_path`` (default: the config's ``name_or_path``) is where
+    ``"draft_loops": "auto"`` looks for the calibration file."""
     raw = parse_user_spec(spec)
     archs = architectures or []
     if "OuroForCausalLM" not in archs or getattr(hf_config, "total_ut_steps", None) is None:
@@ -117,9 +156,14 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "loopspec max_speculative_tokens bounds the adaptive policy, but \"adaptive\" is false; "
             "drop max_speculative_tokens or set \"adaptive\": true."
         )
+    # Unset means R // 2, always (tests and benchmarks rely on it); only the
+    # explicit "auto" reads the checkpoint's calibration.
     d = raw.get("draft_loops", loops // 2)
     if d == "auto":
-        d = loops // 2
+        if model_path is None:
+            model_path = getattr(hf_config, "name_or_path", None) or None
+        calibrated = calibrated_draft_loops(model_path, loops)
+        d = loops // 2 if calibrated is None else calibrated
     if not _positive_int(d) or not 1 <= d < loops:
         raise LoopSpecConfigError(
             f"loopspec draft_loops must be \"auto\" or an integer with 1 <= draft_loops < "

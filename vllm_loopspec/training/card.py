@@ -3,8 +3,11 @@
     python -m vllm_loopspec.training.card checkpoints/ouro-stdlib --wall-s 2600
 
 Reads ``train_log.json``, ``training_args.json``, ``config.json`` and
-``eval.json`` (run :mod:`vllm_loopspec.training.evaluate` first), draws
-``loss_curve.png`` when matplotlib is installed, writes ``README.md`` (with the
+``eval.json`` (run :mod:`vllm_loopspec.training.evaluate` first) and, when
+present, ``loopspec_calibration.json`` (:mod:`vllm_loopspec.tools.calibrate`;
+the card gets a "Depth calibration" section), draws
+``loss_curve.png`` when matplotlib is installed (``--keep-plot``: keep the
+shipped one), writes ``README.md`` (with the
 sha256 of every other shipped file) and finally ``sha256.json`` (every file in
 the directory except itself, README included).
 """
@@ -31,6 +34,7 @@ SIZE_NOTES = {
     ),
 }
 SHA_NAME = "sha256.json"
+CALIBRATION_NAME = "loopspec_calibration.json"
 
 
 def sha256(path: Path) -> str:
@@ -73,8 +77,57 @@ def fmt_row(cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def calibration_lines(cal: dict) -> list[str]:
+    """The card's "Depth calibration" section from ``loopspec_calibration.json``."""
+    R = cal["loops"]
+    ps = cal["prompt_set"]
+    where = (f"{ps['windows']} held-out windows of {ps['context']} tokens" if ps["kind"] == "held-out"
+             else f"{ps['prompts']} prompts from {', '.join(f'`{f}`' for f in ps['files'])}")
+    lines = [
+        "## Depth calibration",
+        "",
+        f"`{cal['command']}` -> `{CALIBRATION_NAME}` ({cal['date']}): teacher-forced, {cal['positions']:,} positions "
+        f"({where}), temperature {cal['temperature']:g}. Per loop `r`, the total-variation distance between the "
+        f"next-token distributions of loop `r` and loop `R = {R}` (a sampled draft's rejection probability) and the "
+        "greedy agreement (argmax equal), with the power law `E[TV] ~ beta r^-alpha` fitted to them:",
+        "",
+        fmt_row(["loop r", "mean TV", "agreement", "fitted TV", "upper bound"]),
+        fmt_row(["---"] * 5),
+    ]
+    for row in cal["per_loop"]:
+        lines.append(fmt_row([row["r"], f"{row['mean_tv']:.4f}", f"{row['agreement']:.4f}",
+                              f"{row.get('fitted_tv', float('nan')):.4f}", f"{row.get('bound_tv', float('nan')):.4f}"]))
+    fit, cf, d, pr = cal.get("fit"), cal.get("closed_form"), cal["depths"], cal["predicted"]
+    if fit:
+        lines += [
+            "",
+            f"Least squares in log space: alpha = {fit['alpha']:.3f}, beta = {fit['beta']:.4f}, R^2 = {fit['r2_log']:.3f}"
+            + (f"; the fitted curve falls below the measurement at some loop, so beta is raised to "
+               f"{fit['beta_bound']:.4f} for an upper bound." if fit["beta_raised_for_bound"] else
+               "; the fitted curve bounds every loop from above."),
+            f"LoopSpec's closed form (arXiv 2609.17184, Theorem 2) with that bound gives d1* = {cf['d1']:.2f}, "
+            f"d2* = {cf['d2']:.2f}; the best integer pair under the same bound is **d1* = {d['d1']}, d2* = {d['d2']}**"
+            + (f" (the measured acceptances favour {tuple(d['measured_best']['greedy'])} greedy, "
+               f"{tuple(d['measured_best']['sampled'])} sampled)." if "measured_best" in d else "."),
+        ]
+    lines += [
+        f"Predicted speedup of a pipelined schedule in loop passes (a tick over all in-flight tokens costs one pass; "
+        f"no step overheads): ceiling R/d1 = {pr['ceiling_R_over_d1']:.2f}x"
+        + (f", {pr['bound']['speedup']:.2f}x from the bound" if "bound" in pr else "")
+        + f", {pr['greedy_measured']['speedup']:.2f}x greedy and {pr['sampled_measured']['speedup']:.2f}x sampled "
+          f"from the measured acceptances (first proposal only: {pr['first_proposal_only']['greedy_speedup']:.2f}x / "
+          f"{pr['first_proposal_only']['sampled_speedup']:.2f}x).",
+        """`--speculative-config '{"method":"loopspec","draft_loops":"auto"}'` """
+        f"drafts with d = d1* = {d['d1']} "
+        f"on this checkpoint; without `draft_loops` loopspec keeps R // 2 = {R // 2}. The model and its assumptions: "
+        "`vllm_loopspec/tools/calibrate.py`.",
+        "",
+    ]
+    return lines
+
+
 def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: float | None, has_plot: bool,
-              hashes: dict, note: str | None = None) -> str:
+              hashes: dict, note: str | None = None, cal: dict | None = None) -> str:
     R = cfg["total_ut_steps"]
     tf, gen = ev["teacher_forced"], ev["greedy_continuations"]
     corpus = log["corpus"]
@@ -213,6 +266,8 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
             "```",
             "",
         ]
+    if cal is not None:
+        lines += calibration_lines(cal)
     lines += [
         "## Reproduce",
         "",
@@ -221,6 +276,7 @@ def card_text(ckpt: Path, log: dict, args: dict, cfg: dict, ev: dict, wall_s: fl
         "```bash",
         reproduce,
         f"python -m vllm_loopspec.training.evaluate {args['out']}",
+    ] + ([cal["command"]] if cal is not None else []) + [
         "pip install matplotlib  # optional, for loss_curve.png",
         f"python -m vllm_loopspec.training.card {args['out']}" + (f" --wall-s {wall_s:.0f}" if wall_s else "")
         + (" --note '...'" if note else ""),
@@ -256,16 +312,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("ckpt", type=Path)
     ap.add_argument("--wall-s", type=float, default=None, help="wall time of the whole training run, seconds")
     ap.add_argument("--note", default=None, help="extra sentence for the training section (e.g. aborted attempts)")
+    ap.add_argument("--keep-plot", action="store_true", help="keep the existing loss_curve.png instead of redrawing it")
     args = ap.parse_args(argv)
     ckpt = args.ckpt
     log = json.loads((ckpt / "train_log.json").read_text())
     targs = json.loads((ckpt / "training_args.json").read_text())
     cfg = json.loads((ckpt / "config.json").read_text())
     ev = json.loads((ckpt / "eval.json").read_text())
-    has_plot = plot(ckpt, log)
+    cal_path = ckpt / CALIBRATION_NAME
+    cal = json.loads(cal_path.read_text()) if cal_path.exists() else None
+    has_plot = (ckpt / "loss_curve.png").exists() if args.keep_plot else plot(ckpt, log)
     skip = {CARD_NAME, SHA_NAME}
     hashes = {p.name: sha256(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name not in skip}
-    (ckpt / CARD_NAME).write_text(card_text(ckpt, log, targs, cfg, ev, args.wall_s, has_plot, hashes, args.note))
+    (ckpt / CARD_NAME).write_text(card_text(ckpt, log, targs, cfg, ev, args.wall_s, has_plot, hashes, args.note, cal))
     hashes[CARD_NAME] = sha256(ckpt / CARD_NAME)
     (ckpt / SHA_NAME).write_text(json.dumps(dict(sorted(hashes.items())), indent=2) + "\n")
     print(f"wrote {ckpt / CARD_NAME}, {ckpt / SHA_NAME}" + (", loss_curve.png" if has_plot else ""))
