@@ -229,3 +229,18 @@ def test_rates_are_compared_per_width_bucket():
     reqs = [(f"r{i}", False, 8) for i in range(4)]
     drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1, 300)
     assert c.speculation_loses(3) and not c.speculation_loses(8)  # 8 is another bucket, unmeasured
+
+
+def test_a_gap_that_may_hold_idle_time_is_not_a_step_cost():
+    """Between two generate calls the engine idles; that gap (reported as
+    None: the next step admits new requests) must not reach the cost model,
+    or rare plain steps would look seconds long."""
+    rng = np.random.default_rng(4)
+    c = AdaptiveController(max_k=8, start_k=4)
+    requests = [("a", False, 8)]
+    for _ in range(40):
+        drive(c, requests, CPU_LIKE, {"a": 0.9}, 5, rng)
+        c.observe_step(0, 0, 1, CPU_LIKE.plain_step(1))  # the call's last step is plain...
+        c.observe_gap(None)  # ...and the engine then waits for the next call
+    assert c.costs is not None
+    assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.1)

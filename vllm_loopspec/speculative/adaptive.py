@@ -194,18 +194,26 @@ class AdaptiveController:
         if self._new_samples >= REFIT_EVERY:
             self._refit()
 
-    def observe_gap(self, seconds: float) -> None:
-        """Time between the end of one step and the start of the next."""
+    def observe_gap(self, seconds: float | None) -> None:
+        """Time between the end of one step and the start of the next; None
+        where it may hold idle time (the next step admits new requests: the
+        engine may have waited for them), which is no step's cost."""
         if self._last_kind is None:
             return
-        gaps = self._gaps[self._last_kind]
-        gaps.append(seconds)
+        if seconds is not None:
+            self._gaps[self._last_kind].append(seconds)
         if self._pending_rate is not None:
-            # The median gap of the kind, not this one: a gap may hold idle
-            # time (no request arrived), which is not the step's cost.
             key, committed, step_seconds = self._pending_rate
-            self._rates.setdefault(key, _Rate()).update(committed / max(step_seconds + float(np.median(gaps)), 1e-9))
+            gap = self._median_gaps()[key[1]]
+            self._rates.setdefault(key, _Rate()).update(committed / max(step_seconds + gap, 1e-9))
             self._pending_rate = None
+
+    def _median_gaps(self) -> dict[bool, float]:
+        """Median gap after each kind of step (all gaps while a kind has
+        fewer than 8: plain steps may be rare)."""
+        every = [g for kind in (False, True) for g in self._gaps[kind]]
+        return {kind: float(np.median(self._gaps[kind] if len(self._gaps[kind]) >= 8 else every or [0.0]))
+                for kind in (False, True)}
 
     def forget(self, live_req_ids) -> None:
         """Drop the state of requests no longer in the batch."""
@@ -328,8 +336,7 @@ class AdaptiveController:
 
     def _refit(self) -> None:
         self._new_samples = 0
-        every_gap = [g for kind in (False, True) for g in self._gaps[kind]]
-        gap = {kind: float(np.median(self._gaps[kind] or every_gap or [0.0])) for kind in (False, True)}
+        gap = self._median_gaps()
         plain = np.array(self._plain, dtype=np.float64).reshape(-1, 2)
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:

@@ -183,7 +183,8 @@ class LoopSpecDrafter:
         self._step_width = len(scheduled) if decode_only else None
         self._step_committed = None
         if self._step_end is not None:
-            self.controller.observe_gap(now - self._step_end)
+            busy = not scheduler_output.scheduled_new_reqs  # else the engine may have idled
+            self.controller.observe_gap(now - self._step_end if busy else None)
         self._step_start = now
 
     def step_finished(self) -> None:
