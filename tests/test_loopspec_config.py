@@ -68,6 +68,20 @@ def test_loopspec_engines_keep_vllms_compile_mode_on_cpu(tiny_checkpoint):
         assert spec.model_config.enforce_eager and spec.compilation_config.mode == 0
 
 
+def test_async_scheduling_is_kept_for_loopspec_and_off_by_default(tiny_checkpoint):
+    """vLLM refuses --async-scheduling for custom_class methods and the CPU
+    platform switches it off; a loopspec engine that asks for it keeps it
+    (patch 14), one that does not stays synchronous."""
+    from vllm.config import VllmConfig
+
+    config = _config(tiny_checkpoint, "loopspec", async_scheduling=True)
+    assert config.scheduler_config.async_scheduling is True
+    assert config.scheduler_config.get_scheduler_cls().__name__ == "AsyncScheduler"
+    VllmConfig.__post_init__(config)  # the engine core validates again after its handshake
+    assert config.scheduler_config.async_scheduling is True
+    assert not _config(tiny_checkpoint, "loopspec").scheduler_config.async_scheduling
+
+
 def test_cli_parses_bare_word():
     assert parse_speculative_config_arg("loopspec") == {"method": "loopspec"}
     assert parse_speculative_config_arg('{"method":"loopspec","draft_loops":1}') == {
@@ -90,7 +104,6 @@ def test_cli_parses_bare_word():
          "drop max_speculative_tokens or set \"adaptive\": true"),
         ({"method": "loopspec", "draft_loops": 0}, {}, "1 <= draft_loops < total_ut_steps (4)"),
         ({"method": "loopspec", "K": 4}, {}, "unknown loopspec option(s) ['K']"),
-        ({"method": "loopspec"}, {"async_scheduling": True}, "remove --async-scheduling"),
         ({"method": "loopspec"}, {"worker_cls": "some.other.Worker"}, "remove --worker-cls"),
         ({"method": "loopspec"}, {"hf_overrides": {"early_exit_threshold": 0.5}}, "needs fixed-depth decoding"),
     ],

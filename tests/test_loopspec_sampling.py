@@ -32,10 +32,15 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def v16(tmp_path_factory):
+    return build_v16(tmp_path_factory.mktemp("v16"))
+
+
+def build_v16(directory):
+    """A 16-token checkpoint with softened logits, and its oracle."""
     from vllm_loopspec.reference import OuroReference
     from vllm_loopspec.tools.make_checkpoint import make_checkpoint
 
-    path = make_checkpoint(tmp_path_factory.mktemp("v16") / "tiny-v16", preset="tiny-v16", seed=3)
+    path = make_checkpoint(directory / "tiny-v16", preset="tiny-v16", seed=3)
     # Soften the random logits so that many tokens have real probability.
     oracle = OuroReference.from_pretrained(path)
     with torch.no_grad():

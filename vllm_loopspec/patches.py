@@ -40,7 +40,15 @@ patches, numbered in the comments and docstrings below:
    on CPU it pins the calling thread, which is the worker's main thread and
    OpenMP master that runs every forward, to the last core of each NUMA node
    and never undoes it; the thread's affinity is restored after the call
-   (:func:`keep_cpu_affinity_under_nixl`).
+   (:func:`keep_cpu_affinity_under_nixl`);
+14. ``VllmConfig.__post_init__``: a loopspec engine started with
+   ``--async-scheduling`` keeps it (vLLM refuses it for ``custom_class``
+   methods and the CPU platform switches it off) (:func:`allow_async_loopspec`);
+15. ``gpu_model_runner.update_num_computed_tokens_for_batch_change`` (the
+   async path's correction after rejected drafts), run eagerly on CPU: its
+   ``torch.compile`` recompiles for 1, 2 and n rows, about a minute of a
+   CPU engine's first async steps, for a handful of element-wise ops
+   (same function).
 
 Patches 1, 2, 7, 9 and 12 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
@@ -49,7 +57,9 @@ the loopspec CPU worker; 9 and 10 change behaviour only for loopspec
 engines (other speculative methods keep vLLM's refusal); 11 only in the API
 server processes of a server with ``--api-server-count > 1``; 12 on CPU (its
 runtime-env half only in engines that select Ray); 13 in CPU engines with a
-``NixlConnector`` (P/D instances). The worker classes themselves are vLLM's documented
+``NixlConnector`` (P/D instances); 14 only for loopspec engines that ask for
+async scheduling, in every process that validates their config, and 15 with
+it, on CPU. The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -124,10 +134,6 @@ def translate_loopspec(engine_args, target_model_config, target_parallel_config)
     )
     if target_parallel_config.pipeline_parallel_size > 1:
         raise LoopSpecConfigError(PIPELINE_PARALLEL_REFUSAL)
-    if engine_args.async_scheduling:
-        raise LoopSpecConfigError(
-            "loopspec rounds are synchronous in this release; remove --async-scheduling."
-        )
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
         raise LoopSpecConfigError(
             "loopspec runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER."
@@ -577,6 +583,53 @@ def keep_cpu_affinity_under_nixl() -> None:
         cls.__init__ = keep_cpu_affinity(cls.__init__)
 
 
+# Patch 14 — vllm.config.vllm.VllmConfig.__post_init__. vLLM 0.32 refuses an
+# explicit --async-scheduling for custom_class speculative methods
+# (config/vllm.py, "only supported with EAGLE/MTP/...") and the CPU platform
+# switches async off ("not required on CPU", platforms/cpu.py). loopspec
+# follows vLLM's async speculative path (optimistic draft slots, the device
+# correction, the hand-over of each row's next token: runner.py), so for a
+# loopspec engine that asked for it the config is validated with async off
+# and async is switched on after. __post_init__ runs in the front end and
+# again in the engine core (after its handshake), hence the wrapper there
+# rather than in the platform hook. Patch 15 — on CPU the async path's
+# correction helper (v1/spec_decode/utils.py), imported by name into
+# gpu_model_runner, runs eagerly: compiled it recompiles for 1, 2 and n rows.
+def allow_async_loopspec() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig.__post_init__
+    if getattr(original, "__loopspec_patched__", False):
+        return
+
+    @functools.wraps(original)
+    def post_init(self, *args, **kwargs):
+        wants_async = (self.scheduler_config.async_scheduling is True
+                       and is_loopspec_engine(self.speculative_config))
+        if wants_async:
+            self.scheduler_config.async_scheduling = False
+        original(self, *args, **kwargs)
+        if wants_async:
+            self.scheduler_config.async_scheduling = True
+            _run_async_correction_eagerly_on_cpu()
+
+    post_init.__loopspec_patched__ = True
+    VllmConfig.__post_init__ = post_init
+
+
+def _run_async_correction_eagerly_on_cpu() -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker import gpu_model_runner
+
+    compiled = gpu_model_runner.update_num_computed_tokens_for_batch_change
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None)
+    if eager is not None:
+        gpu_model_runner.update_num_computed_tokens_for_batch_change = eager
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
@@ -586,6 +639,7 @@ def apply() -> None:
     fix_top_k_only_on_empty_batch()
     serve_unverifiable_sampling()
     run_ray_executor_on_cpu()
+    allow_async_loopspec()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 

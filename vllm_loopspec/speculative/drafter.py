@@ -23,6 +23,7 @@ The served model is the draft model: its loops ``[0, d)``.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -71,6 +72,14 @@ class LoopSpecDrafter:
         self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
         self._step_width: int | None = None  # requests of a decode-only step
         self._step_committed: int | None = None  # tokens the step committed (propose)
+        self._step_scheduled: dict[str, int] = {}  # tokens scheduled per request this step
+        # Async scheduling: K_i chosen for the next step (the runner trims
+        # vLLM's uniform placeholder drafts to them), and each step's
+        # committed counts, read one step late (on a device that is when the
+        # copy has landed).
+        self.next_drafts: dict[str, int] = {}
+        self._committed_now: _Committed | None = None
+        self._committed_prev: _Committed | None = None
         self._step_start = 0.0
         self._step_end: float | None = None
 
@@ -110,8 +119,10 @@ class LoopSpecDrafter:
         batch, requests and attention groups)."""
         self.runner = runner
 
-    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]]:
+    def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]] | torch.Tensor:
         """Placeholder drafts for the next step, ``K_i`` per request."""
+        if self.runner.use_async_scheduling:
+            return self._propose_async()
         self._count_acceptance(sampled_token_ids)
         self._step_committed = sum(len(t) for t in sampled_token_ids)
         max_len = self.runner.model_config.max_model_len
@@ -125,6 +136,53 @@ class LoopSpecDrafter:
         if self.controller is not None:
             limits = self._adapt(limits)
         return [[] if k is None else [PLACEHOLDER_TOKEN] * k for k in limits]
+
+    def _propose_async(self) -> torch.Tensor:
+        """Under vLLM's async scheduler the next step is already scheduled
+        with the same number of placeholder drafts for every decoding row
+        (vLLM scatters a device tensor of them into the step's input ids);
+        the ``K_i`` decided here trim them when the step starts
+        (:meth:`LoopSpecRunnerMixin.execute_model`). This step's committed
+        tokens are not known on the host yet: limits assume every draft of
+        this step is accepted (an upper bound on the length, so a limit is
+        never too large), and acceptance is counted one step late."""
+        self._count_committed(self._committed_prev)
+        self._committed_prev, self._committed_now = self._committed_now, None
+        runner = self.runner
+        batch = runner.input_batch
+        max_len = runner.model_config.max_model_len
+        discard = runner.discard_request_mask.np
+        limits: list[int | None] = []
+        for row, req_id in enumerate(batch.req_ids):
+            scheduled = self._step_scheduled.get(req_id, 0)
+            if discard[row] or not scheduled:
+                limits.append(None)  # partial prefill chunk, or not in this step
+                continue
+            # Through this step, every draft accepted: computed + scheduled, plus the bonus token.
+            num_tokens = int(batch.num_computed_tokens_cpu[row]) + scheduled + 1
+            limits.append(self.num_drafts(row, req_id, max_len, num_tokens=num_tokens))
+        if self.controller is not None:
+            limits = self._adapt(limits)
+        self.next_drafts = {req_id: k for req_id, k in zip(batch.req_ids, limits) if k}
+        return torch.zeros((len(batch.req_ids), runner.num_spec_tokens), dtype=torch.int32, device=runner.device)
+
+    def note_committed(self, counts: torch.Tensor) -> None:
+        """Async: tokens each row of this step committed (accepted drafts +
+        1; 0 for a partial prefill chunk), still on the device."""
+        batch = self.runner.input_batch
+        rows = counts.shape[0]
+        self._committed_now = _Committed(
+            counts=counts, num_drafts=self._last_num_drafts, req_ids=list(batch.req_ids[:rows]),
+            sampled=[bool(t > 0) for t in batch.temperature_cpu[:rows]])
+        self._last_num_drafts = None
+
+    def _count_committed(self, committed: "_Committed | None") -> None:
+        if committed is None or committed.num_drafts is None:
+            return
+        counts = committed.counts.tolist()
+        for row, k in enumerate(committed.num_drafts):
+            if k and row < len(counts):
+                self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0))
 
     def _adapt(self, limits: list[int | None]) -> list[int | None]:
         """The adaptive policy's ``K_i`` within each request's limit."""
@@ -140,7 +198,10 @@ class LoopSpecDrafter:
         return out
 
     # -- per-request K ---------------------------------------------------------
-    def num_drafts(self, row: int, req_id: str, max_len: int) -> int:
+    def num_drafts(self, row: int, req_id: str, max_len: int, num_tokens: int | None = None) -> int:
+        """Drafts request ``req_id`` may make next step; ``num_tokens``: its
+        length (default: what the input batch holds, exact when scheduling is
+        synchronous)."""
         state = self.runner.requests[req_id]
         params = state.sampling_params
         if params is None:
@@ -157,8 +218,12 @@ class LoopSpecDrafter:
         if params.logit_bias:
             self.stats.skipped[SKIP_LOGIT_BIAS] += 1
             return 0
-        num_tokens = int(self.runner.input_batch.num_tokens_no_spec[row])
-        room_output = (params.max_tokens or max_len) - len(state.output_token_ids) - 1
+        if num_tokens is None:
+            num_tokens = int(self.runner.input_batch.num_tokens_no_spec[row])
+            num_output = len(state.output_token_ids)
+        else:
+            num_output = num_tokens - len(state.prompt_token_ids or ())
+        room_output = (params.max_tokens or max_len) - num_output - 1
         if room_output < 0:
             return 0  # finished this step
         room_context = max_len - num_tokens - 1
@@ -172,6 +237,7 @@ class LoopSpecDrafter:
     def step_started(self, scheduler_output) -> None:
         now = time.perf_counter()
         tokens = scheduler_output.total_num_scheduled_tokens
+        self._step_scheduled = scheduler_output.num_scheduled_tokens
         if self.controller is None or not tokens:
             self._step_shape = None
             return
@@ -205,11 +271,13 @@ class LoopSpecDrafter:
         batch = self.runner.input_batch
         for row, k in enumerate(num_drafts):
             if k and row < len(sampled_token_ids):
-                accepted = max(len(sampled_token_ids[row]) - 1, 0)
-                self.stats.count_acceptance(int(k), accepted)
-                if self.controller is not None:
-                    self.controller.observe_round(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0),
-                                                  int(k), accepted)
+                self._count_row(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), int(k),
+                                max(len(sampled_token_ids[row]) - 1, 0))
+
+    def _count_row(self, req_id: str, sampled: bool, num_drafts: int, accepted: int) -> None:
+        self.stats.count_acceptance(num_drafts, accepted)
+        if self.controller is not None:
+            self.controller.observe_round(req_id, sampled, num_drafts, accepted)
 
     # -- the round -------------------------------------------------------------
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
@@ -227,7 +295,13 @@ class LoopSpecDrafter:
         num_drafts = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64)
         num_reqs = num_drafts.shape[0]  # not common.num_reqs: that one may be padded
         query_start = common.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
-        computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
+        if runner.use_async_scheduling:
+            # The host copy still assumes every draft of the last step was
+            # accepted until after this forward; the device copy was corrected
+            # before it (vLLM's async path). On a GPU this read waits for it.
+            computed = runner.num_computed_tokens[:num_reqs].cpu().numpy().astype(np.int64)
+        else:
+            computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
         layout = StepLayout(query_start=query_start, num_drafts=num_drafts,
                             seq_lens=computed + np.diff(query_start))
         return build_plan(layout, common, runner.attn_groups[0][0], runner.device, self.row_buckets)
@@ -275,6 +349,16 @@ class LoopSpecDrafter:
         self.stats.rounds += 1
         self.stats.speculating_rows += int((num_drafts > 0).sum())
         self.stats.drafted_tokens += int(num_drafts.sum())
+
+
+@dataclass
+class _Committed:
+    """One async step's committed tokens per row and what the rows drafted."""
+
+    counts: torch.Tensor  # [rows] on the device
+    num_drafts: np.ndarray | None  # K_i per row (None: the step had no round)
+    req_ids: list[str]
+    sampled: list[bool]
 
 
 class _ServedModel:

@@ -10,7 +10,12 @@ runner keeps only what vLLM offers no other way into:
   (:meth:`LoopSpecDrafter.run_step`) instead of the plain forward;
 * ``_input_fits_in_drafter``: per-request limits are the drafter's business;
 * ``execute_model`` / ``sample_tokens``: time each step for the adaptive
-  policy (:meth:`LoopSpecDrafter.step_started`).
+  policy (:meth:`LoopSpecDrafter.step_started`);
+* under async scheduling: ``execute_model`` trims vLLM's uniform
+  placeholder drafts to each request's ``K_i``, ``_update_states`` keeps the
+  scheduler's draft count, ``_bookkeeping_sync`` hands over each row's
+  committed count and newest token, ``_copy_draft_token_ids_to_cpu`` keeps
+  placeholders off the host (RFC §6).
 
 A step in which no request drafts is vLLM's plain step: ``_prepare_inputs``
 drops its (all-zero) ``SpecDecodeMetadata``, so the plain sampler runs
@@ -24,6 +29,7 @@ rejection sampler, rollback of rejected tokens, stop handling and
 
 from __future__ import annotations
 
+import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
@@ -51,8 +57,78 @@ class LoopSpecRunnerMixin:
         self._loopspec_common = None
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.use_async_scheduling and scheduler_output.scheduled_spec_decode_tokens:
+            scheduler_output = self._trim_to_chosen_drafts(scheduler_output)
         self.drafter.step_started(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    # -- async scheduling (patch 14) -------------------------------------------
+    # vLLM's AsyncScheduler schedules step t+1 before step t's output is back:
+    # every decoding row gets the same number of placeholder drafts, the
+    # runner assumes them accepted and corrects num_computed_tokens on the
+    # device from each row's committed count, which a drafter hands over
+    # after sampling (EAGLE and ngram_gpu do it in vLLM). loopspec drafts
+    # inside the step's forward, so the placeholders are all it needs; K_i
+    # per request becomes a trim of each row's placeholders at the step's
+    # start (as vLLM does for ngram_gpu), the trimmed slots counting as
+    # rejected for the scheduler.
+    def _trim_to_chosen_drafts(self, scheduler_output):
+        """A copy of the step's schedule with each row's drafts cut to the
+        ``K_i`` the drafter chose after the previous step (the scheduler's own
+        object is not edited: in-process it is still the scheduler's)."""
+        import dataclasses
+
+        chosen = self.drafter.next_drafts
+        spec = dict(scheduler_output.scheduled_spec_decode_tokens)
+        scheduled = dict(scheduler_output.num_scheduled_tokens)
+        total = scheduler_output.total_num_scheduled_tokens
+        self._loopspec_scheduled_drafts = {req_id: len(t) for req_id, t in spec.items()}
+        for req_id, tokens in list(spec.items()):
+            keep = min(chosen.get(req_id, 0), len(tokens))
+            cut = len(tokens) - keep
+            if not cut:
+                continue
+            scheduled[req_id] -= cut
+            total -= cut
+            if keep:
+                spec[req_id] = tokens[:keep]
+            else:
+                del spec[req_id]
+        return dataclasses.replace(scheduler_output, scheduled_spec_decode_tokens=spec,
+                                   num_scheduled_tokens=scheduled, total_num_scheduled_tokens=total)
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        out = super()._update_states(scheduler_output, *args, **kwargs)
+        if self.use_async_scheduling:
+            # Keep the scheduler's draft count per request, as vLLM does after
+            # trimming ngram_gpu's drafts: next step's correction of
+            # num_computed_tokens starts from what the scheduler assumed.
+            for req_id, count in getattr(self, "_loopspec_scheduled_drafts", {}).items():
+                state = self.requests.get(req_id)
+                if state is not None and state.prev_num_draft_len != count:
+                    state.prev_num_draft_len = count
+            self._loopspec_scheduled_drafts = {}
+        return out
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+        if self.use_async_scheduling:
+            rows = sampler_output.sampled_token_ids.shape[0]
+            discard = torch.from_numpy(self.discard_request_mask.np[:rows].copy())
+            counts, next_tokens = committed_per_row(sampler_output.sampled_token_ids,
+                                                    discard.to(sampler_output.sampled_token_ids.device))
+            self._copy_valid_sampled_token_count(next_tokens, counts)
+            self.drafter.note_committed(counts)
+        return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
+
+    def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False) -> None:
+        if not self.use_async_scheduling:
+            return super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only)
+        # The proposal is placeholders: copied to the host, vLLM's sampler
+        # would write them over the round's real drafts in spec_token_ids
+        # (update_async_spec_token_ids), which penalties and bad words read.
+        if torch.is_tensor(self._draft_token_ids):
+            self.prev_num_spec_tokens = self._draft_token_ids.shape[1]
+        self._draft_token_req_ids = None
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
@@ -91,6 +167,15 @@ class LoopSpecRunnerMixin:
     def shutdown(self) -> None:
         self._loopspec_metrics.stop()
         super().shutdown()
+
+
+def committed_per_row(sampled: torch.Tensor, discard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a step's sampled ids ``[rows, 1 + K]`` (rejected slots ``-1``):
+    tokens each row committed (0 for a discarded partial-prefill row) and its
+    newest token (0 where none), on the device, without a host read."""
+    counts = torch.where(discard, 0, (sampled != -1).sum(dim=1)).to(torch.int32)
+    newest = sampled.gather(1, (counts.long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    return counts, torch.where(counts > 0, newest, torch.zeros_like(newest))
 
 
 class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):

@@ -1,0 +1,317 @@
+"""loopspec under vLLM's async scheduler (issue 15, patch 14).
+
+vLLM schedules step t+1 before step t's tokens are back: every decoding row
+gets the same placeholder drafts, the runner assumes them accepted and
+corrects ``num_computed_tokens`` on the device from the counts the runner
+hands over after sampling. The CPU runner runs vLLM's async path (its
+``cpu/shm.py`` turns CUDA streams and events into no-ops); in-process engines
+run it step by step, which exercises every piece of the bookkeeping but
+overlaps nothing in time (docs/async-scheduling.md).
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import MAX_BATCHED_TOKENS, make_llm
+from engine_access import engine_core, free_blocks, model_runner, read_kv, skip_unless_kv_readable
+from prompts import MEDIUM, SHORT, long_prompt
+from vllm_loopspec.speculative.runner import LoopSpecRunnerMixin, committed_per_row
+
+BUDGETS = [7, 13, 30]  # end inside a round for every K below
+KS = [1, 4]
+
+
+# -- the bookkeeping, without an engine -------------------------------------------
+
+def test_committed_counts_and_newest_token_per_row():
+    sampled = torch.tensor([[5, 6, -1], [7, -1, -1], [8, 9, 10], [3, -1, -1]])
+    discard = torch.tensor([False, False, False, True])  # a partial prefill chunk
+    counts, newest = committed_per_row(sampled, discard)
+    assert counts.tolist() == [2, 1, 3, 0]
+    assert newest.tolist() == [6, 7, 10, 0]
+
+
+@dataclass
+class _Schedule:
+    """The fields of vLLM's SchedulerOutput the trim reads and writes."""
+
+    scheduled_spec_decode_tokens: dict
+    num_scheduled_tokens: dict
+    total_num_scheduled_tokens: int
+    other: list = field(default_factory=list)
+
+
+def test_placeholders_are_trimmed_to_each_rows_chosen_drafts():
+    class Runner:
+        _trim_to_chosen_drafts = LoopSpecRunnerMixin._trim_to_chosen_drafts
+
+    runner = Runner()
+    runner.drafter = type("D", (), {"next_drafts": {"a": 4, "b": 1, "c": 0}})()
+    spec = {"a": [-1] * 4, "b": [-1] * 4, "c": [-1] * 4, "d": [-1] * 4}
+    original = _Schedule(spec, {"a": 5, "b": 5, "c": 5, "d": 5, "p": 128}, 148)
+    trimmed = runner._trim_to_chosen_drafts(original)
+    assert trimmed.scheduled_spec_decode_tokens == {"a": [-1] * 4, "b": [-1]}  # c chose 0, d unknown: none
+    assert trimmed.num_scheduled_tokens == {"a": 5, "b": 2, "c": 1, "d": 1, "p": 128}
+    assert trimmed.total_num_scheduled_tokens == 148 - 3 - 4 - 4
+    assert runner._loopspec_scheduled_drafts == {"a": 4, "b": 4, "c": 4, "d": 4}
+    # The scheduler's own object is untouched (in-process it is still its own).
+    assert original.num_scheduled_tokens["b"] == 5 and len(original.scheduled_spec_decode_tokens) == 4
+
+
+# -- end to end, in-process async engines -----------------------------------------
+
+@pytest.fixture(scope="module")
+def async_llms(tiny_checkpoint):
+    engines = {}
+
+    def get(k, adaptive=False, **overrides):
+        key = (k, adaptive, tuple(sorted(overrides.items())))
+        if key not in engines:
+            spec = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": 2, "adaptive": adaptive}
+            engines[key] = make_llm(tiny_checkpoint, spec, async_scheduling=True, **overrides)
+            config = engines[key].llm_engine.vllm_config
+            assert config.scheduler_config.async_scheduling, "async scheduling did not stay on"
+            assert type(engine_core(engines[key]).scheduler).__name__ == "AsyncScheduler"
+            assert model_runner(engines[key]).use_async_spec_decode
+        return engines[key]
+
+    yield get
+    engines.clear()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    long_a = long_prompt(MAX_BATCHED_TOKENS + 40, tokenizer)  # chunk-prefilled
+    return SHORT[:6] + MEDIUM[:1] + [long_a]
+
+
+@pytest.fixture(scope="module")
+def native_reference(native_llm, prompts):
+    ref = {}
+    for budget in BUDGETS:
+        outs = native_llm.generate(prompts, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            ref[(p, budget)] = list(o.outputs[0].token_ids)
+    return ref
+
+
+def _engine(async_llms, k):
+    return async_llms(4, adaptive=True) if k == "adaptive" else async_llms(k)
+
+
+@pytest.mark.parametrize("k", KS + ["adaptive"])
+@pytest.mark.parametrize("width", [1, 8])
+def test_greedy_async_equals_native(async_llms, prompts, native_reference, k, width):
+    llm = _engine(async_llms, k)
+    stats = model_runner(llm).drafter.stats
+    rounds = stats.rounds
+    for budget in BUDGETS:
+        params = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
+        for start in range(0, len(prompts), width):
+            batch = prompts[start:start + width]
+            outs = llm.generate(batch, params, use_tqdm=False)
+            for p, o in zip(batch, outs):
+                assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, width, budget)
+    assert stats.rounds > rounds, "no round ran under async scheduling"
+
+
+def test_async_drafts_are_accepted_rejected_and_counted(async_llms, prompts):
+    """Acceptance reaches loopspec's counters one step late, as it reaches
+    the adaptive policy."""
+    llm = async_llms(4)
+    stats = model_runner(llm).drafter.stats
+    before = (stats.drafted_tokens, stats.accepted_tokens)
+    llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+    drafted, accepted = stats.drafted_tokens - before[0], stats.accepted_tokens - before[1]
+    assert drafted > 0 and 0 < accepted < drafted
+
+
+def test_async_penalties_equal_native(async_llms, native_llm, prompts):
+    """Penalties read the round's drafts (spec_token_ids): the placeholders
+    vLLM's async path proposes must not overwrite them."""
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                            presence_penalty=0.5)
+    got = async_llms(4).generate(prompts[:4], params, use_tqdm=False)
+    want = native_llm.generate(prompts[:4], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+
+
+def test_async_unverifiable_requests_decode_plainly_beside_speculating_ones(async_llms, native_llm):
+    """The scheduler gives every row K placeholders; a min_p or logit_bias
+    request is trimmed to none (it decodes one token per step, exact)."""
+    llm = async_llms(4)
+    stats = model_runner(llm).drafter.stats
+    before = dict(stats.skipped)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11, 12]}]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    biased = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logit_bias={5: 3.0, 17: -100.0})
+    got = llm.generate(prompts, [biased, plain], use_tqdm=False)
+    want = native_llm.generate(prompts, [biased, plain], use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+    assert stats.skipped["logit_bias"] - before.get("logit_bias", 0) > 0
+
+
+K = 4
+
+
+@pytest.mark.parametrize("reject_at", list(range(K + 1)))
+def test_async_forced_rejection_commits_right_tokens_and_kv_frontier(async_llms, native_llm, oracle, tokenizer,
+                                                                     reject_at):
+    """Drafts 1..reject_at are the target's, draft reject_at+1 is wrong. Under
+    async the scheduler has already assumed every draft accepted when a round
+    rejects: the next round must start right after the last accepted token
+    (the corrected frontier), and the KV of every position a round wrote must
+    end as the oracle's over the committed sequence."""
+    llm = async_llms(K)
+    runner = model_runner(llm)
+    vocab = runner.model.config.vocab_size
+    prompt_ids = tokenizer(SHORT[3])["input_ids"]
+    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
+    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+                  .outputs[0].token_ids)
+    full = prompt_ids + native
+
+    def override(req_id, step, token, anchor_pos):
+        target = full[anchor_pos + step]
+        if step - 1 < reject_at:
+            return target
+        if step - 1 == reject_at:
+            return (target + 1) % vocab
+        return token
+
+    trace: list[dict] = []
+    runner.drafter.draft_override = override
+    runner.drafter.trace = trace
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        runner.drafter.draft_override = None
+        runner.drafter.trace = None
+    assert list(out.token_ids) == native
+    rounds = [next(iter(r.values())) for r in trace if r]
+    assert len(rounds) >= 2, "too few speculative rounds ran"
+    for this, following in zip(rounds, rounds[1:]):
+        accepted = min(reject_at, len(this["tokens"]) - 1)
+        assert following["positions"][0] == this["positions"][0] + 1 + accepted
+    skip_unless_kv_readable(llm)
+    slot_of = {}
+    for rnd in rounds:
+        slot_of.update(zip(rnd["positions"], rnd["slots"]))
+    n_layers = runner.model.config.num_hidden_layers
+    ref = oracle.trace(torch.tensor(full[: max(slot_of) + 1]))
+    for p, slot in slot_of.items():
+        if p >= len(full) - 1:  # the final token is never forwarded
+            continue
+        for u in range(runner.model.num_loops):
+            for i in range(n_layers):
+                k, v = read_kv(llm, f"model.layers.{u * n_layers + i}.self_attn.attn", slot)
+                torch.testing.assert_close(k, ref.kv[u][i][0][0, :, p], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v, ref.kv[u][i][1][0, :, p], atol=1e-4, rtol=0)
+
+
+def test_async_cancelled_requests_free_their_kv(async_llms, tokenizer):
+    llm = async_llms(K)
+    engine = llm.llm_engine
+    before = free_blocks(llm)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    prompts = SHORT[:4] + [long_prompt(260, tokenizer), MEDIUM[1]]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"async-cancel-{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert free_blocks(llm) < before
+    engine.abort_request(["async-cancel-0", "async-cancel-2", "async-cancel-4"])
+    for _ in range(3):
+        engine.step()
+    engine.abort_request(["async-cancel-5"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert free_blocks(llm) == before
+    assert not engine_core(llm).scheduler.requests
+
+
+def test_async_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2,
+                                     "adaptive": False},
+                   num_gpu_blocks_override=6, max_model_len=512, async_scheduling=True)
+    prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
+    params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
+        "the workload did not preempt"
+    assert not engine_core(llm).scheduler.requests
+    assert free_blocks(llm) == engine_core(llm).scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_k_top_p"])
+def test_async_sampled_loopspec_recovers_target_distribution(v16_async, setting):
+    """The chi-square test of test_loopspec_sampling.py, under async."""
+    from test_loopspec_sampling import CHI2_999, DRAWS, PROMPT, SETTINGS, chi_square, exact_marginals
+
+    (_, oracle), llm = v16_async
+    proc = SETTINGS[setting]
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, **proc)
+    stats = model_runner(llm).drafter.stats
+    drafted_before = stats.drafted_tokens
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
+    seqs = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(s) == 3 for s in seqs)
+    assert stats.drafted_tokens - drafted_before >= DRAWS, "the continuations were not speculated"
+    target2, target3 = exact_marginals(oracle, loop=4, **proc)
+    for position, target in ((1, target2), (2, target3)):
+        stat, dof = chi_square(Counter(s[position] for s in seqs), target, DRAWS)
+        assert stat < CHI2_999[dof], f"token {position + 1}: chi2={stat:.1f} dof={dof}"
+
+
+@pytest.fixture(scope="module")
+def v16_async(tmp_path_factory):
+    from test_loopspec_sampling import build_v16
+
+    v16 = build_v16(tmp_path_factory.mktemp("v16-async"))
+    llm = make_llm(v16[0], {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1, "adaptive": False},
+                   skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048, async_scheduling=True)
+    return v16, llm
+
+
+def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_llms, prompts):
+    """The async scheduler gives every decoding row the engine's maximum K
+    (8 for the adaptive policy); rounds must draft each row's own K_i."""
+    llm = async_llms(4, adaptive=True)
+    runner = model_runner(llm)
+    trace: list[dict] = []
+    runner.drafter.trace = trace
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        runner.drafter.trace = None
+    drafted = Counter(len(r["tokens"]) - 1 for rnd in trace for r in rnd.values())
+    assert len(drafted) > 1 and min(drafted) < runner.num_spec_tokens, drafted
+
+
+def test_async_min_p_request_never_drafts_and_stays_exact(async_llms, native_llm):
+    """A sampled min_p request cannot be verified by vLLM's rejection sampler:
+    its placeholders are trimmed away every step while its neighbour drafts."""
+    llm = async_llms(4)
+    runner = model_runner(llm)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11, 12]}]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, min_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)]
+    trace: list[dict] = []
+    runner.drafter.trace = trace
+    try:
+        got = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.drafter.trace = None
+    want = native_llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
+    # (The engine's request ids carry a suffix after the caller's.)
+    speculated = Counter(req_id.rsplit("-", 1)[0] for rnd in trace for req_id in rnd)
+    min_p_id, plain_id = got[0].request_id, got[1].request_id
+    assert speculated[plain_id] > 0 and speculated[min_p_id] == 0, speculated
