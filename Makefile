@@ -66,6 +66,7 @@ bench-all: $(STAMP)
 	$(PY) benchmarks/cost_curve.py
 	$(PY) benchmarks/serve_bench.py
 	$(MAKE) bench-adaptive
+	$(PY) benchmarks/async_decode.py
 	$(PY) benchmarks/report.py
 
 # The adaptive policy (issue 13) against native and every fixed (d, K), in

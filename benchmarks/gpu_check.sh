@@ -19,8 +19,11 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
   echo "# gpu-check $(date -u +%FT%TZ) $(git rev-parse --short HEAD 2>/dev/null)"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
-  timeout 300 "$PY" -m pytest -q -rs -m gpu tests
+  timeout 260 "$PY" -m pytest -q -rs -m gpu tests
   echo "tests rc=$?"
   timeout 150 "$PY" benchmarks/gpu_decode.py --out "$OUT/gpu_check.json"
   echo "benchmark rc=$?"
+  VLLM_ENABLE_V1_MULTIPROCESSING=1 timeout 60 "$PY" benchmarks/async_decode.py --repeats 2 --new-tokens 64 \
+    --out "$OUT/gpu_check_async.json"
+  echo "async benchmark rc=$?"
 } 2>&1 | tee "$OUT/gpu_check.txt"

@@ -497,6 +497,27 @@ def burst_section(rec: dict) -> list[str]:
         lines.append(f"| {w} | {fmt(tps['native'], 0)} | {fmt(tps['loopspec adaptive'], 0)} "
                      f"| {fmt(summary[f'{w}_speedup_median'])}× |")
     lines += ["", "![policy K over time](results/plots/adaptive_burst.png)", ""]
+    return lines
+
+
+def async_section(rec: dict) -> list[str]:
+    """Async against sync loopspec rounds and native (benchmarks/async_decode.py)."""
+    lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, engines: "
+             f"{rec['engine']}; load average when written {fmt(rec['machine_load'][1], 1)}). loopspec is the "
+             f"default (adaptive policy, d = R // 2), {rec['new_tokens']} tokens per request. Median output "
+             "tok/s.", "", rec.get("note", ""), "",
+             "| T | c | native | loopspec sync | loopspec async | async vs sync | sync vs native "
+             "| greedy = native |", "|---|---|---|---|---|---|---|---|"]
+    for temp, by_c in rec["results"].items():
+        for c, cell in by_c.items():
+            same = [cell[n].get("greedy_equals_native") for n in ("loopspec sync", "loopspec async")]
+            lines.append(
+                f"| {temp.removeprefix('T')} | {c} | {fmt(cell['native']['median_tokens_per_s'], 0)} "
+                f"| {fmt(cell['loopspec sync']['median_tokens_per_s'], 0)} "
+                f"| {fmt(cell['loopspec async']['median_tokens_per_s'], 0)} | {fmt(cell['loopspec async']['vs_sync'])}× "
+                f"| {fmt(cell['loopspec sync']['vs_native'])}× "
+                f"| {'–' if same[0] is None else 'yes' if all(same) else 'no'} |")
+    return lines + [""]
 
 
 def compile_mode_section(rec: dict) -> list[str]:
@@ -606,6 +627,9 @@ def main() -> None:
     lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
     if burst:
         lines += ["### A burst under a lone greedy request", ""] + burst_section(burst)
+    async_rec = load("async_decode.json")
+    lines += ["## Async scheduling (issue 15)", ""]
+    lines += async_section(async_rec) if async_rec else ["(no async run recorded)", ""]
     lines += ["## By prompt set (short setting)", "",
               "Same method and engines as the sweep, one prompt set at a time.", ""]
     lines += prompt_set_table() + [""]
@@ -632,7 +656,8 @@ def main() -> None:
               "make bench-all                                 # every benchmark below, then this page",
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
-    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst):
+    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst,
+                async_rec):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:

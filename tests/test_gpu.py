@@ -68,3 +68,12 @@ def test_greedy_round_makes_no_host_sync(tiny_checkpoint, native_eager_tokens, m
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False})
     assert _tokens(llm) == native_eager_tokens
     assert rounds["n"] > 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_async_loopspec_equals_native_on_gpu(tiny_checkpoint, native_eager_tokens, adaptive):
+    """Async scheduling on CUDA (CPU runs the same path in test_async_rounds.py)."""
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2,
+                                     "adaptive": adaptive}, async_scheduling=True)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    assert _tokens(llm) == native_eager_tokens
