@@ -4,6 +4,7 @@ The attribute path itself lives in ``vllm_loopspec.engine_internals``."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 from vllm_loopspec.engine_internals import engine_core, model_runner, scheduler
 
 __all__ = ["engine_core", "model_runner", "scheduler", "served_model", "kv_unreadable_reason",
-           "skip_unless_kv_readable", "read_kv", "kv_by_slot", "free_blocks", "spec_metrics", "observe_loops"]
+           "skip_unless_kv_readable", "read_kv", "kv_by_slot", "free_blocks", "spec_metrics", "observe_loops",
+           "drafter_hooks", "until"]
 
 # KV cache layouts this reader knows, by the ISA vLLM's CPU attention backend
 # chose for the layer (``cpu_attn._get_attn_isa``). Checked against the
@@ -126,3 +128,15 @@ def until(check, timeout: float = 60.0, every: float = 0.25):
             if time.monotonic() > deadline:
                 raise
             time.sleep(every)
+
+
+@contextlib.contextmanager
+def drafter_hooks(llm, draft_override=None, trace=None):
+    """Set the debug drafter's hooks (vllm_loopspec/speculative/debug.py) for
+    the duration of a block."""
+    drafter = model_runner(llm).drafter
+    drafter.draft_override, drafter.trace = draft_override, trace
+    try:
+        yield drafter
+    finally:
+        drafter.draft_override = drafter.trace = None

@@ -17,8 +17,11 @@ import torch
 from vllm import SamplingParams
 
 from conftest import MAX_BATCHED_TOKENS, make_llm
-from engine_access import engine_core, free_blocks, model_runner, read_kv, skip_unless_kv_readable
+from engine_access import drafter_hooks, engine_core, model_runner, read_kv, skip_unless_kv_readable
 from prompts import MEDIUM, SHORT, long_prompt
+from test_loopspec_greedy import native_outputs
+from test_loopspec_serving import check_cancellation_frees_kv, check_preemption_keeps_output_exact
+from test_loopspec_state import forcing_rejection
 from vllm_loopspec.speculative.runner import LoopSpecRunnerMixin, committed_per_row
 
 BUDGETS = [7, 13, 30]  # end inside a round for every K below
@@ -91,13 +94,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def native_reference(native_llm, prompts):
-    ref = {}
-    for budget in BUDGETS:
-        outs = native_llm.generate(prompts, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
-                                   use_tqdm=False)
-        for p, o in zip(prompts, outs):
-            ref[(p, budget)] = list(o.outputs[0].token_ids)
-    return ref
+    return native_outputs(native_llm, prompts, BUDGETS)
 
 
 def _engine(async_llms, k):
@@ -176,22 +173,9 @@ def test_async_forced_rejection_commits_right_tokens_and_kv_frontier(async_llms,
                   .outputs[0].token_ids)
     full = prompt_ids + native
 
-    def override(req_id, step, token, anchor_pos):
-        target = full[anchor_pos + step]
-        if step - 1 < reject_at:
-            return target
-        if step - 1 == reject_at:
-            return (target + 1) % vocab
-        return token
-
     trace: list[dict] = []
-    runner.drafter.draft_override = override
-    runner.drafter.trace = trace
-    try:
+    with drafter_hooks(llm, forcing_rejection(full, vocab, reject_at), trace):
         out = llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0].outputs[0]
-    finally:
-        runner.drafter.draft_override = None
-        runner.drafter.trace = None
     assert list(out.token_ids) == native
     rounds = [next(iter(r.values())) for r in trace if r]
     assert len(rounds) >= 2, "too few speculative rounds ran"
@@ -215,59 +199,20 @@ def test_async_forced_rejection_commits_right_tokens_and_kv_frontier(async_llms,
 
 
 def test_async_cancelled_requests_free_their_kv(async_llms, tokenizer):
-    llm = async_llms(K)
-    engine = llm.llm_engine
-    before = free_blocks(llm)
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    prompts = SHORT[:4] + [long_prompt(260, tokenizer), MEDIUM[1]]
-    for i, p in enumerate(prompts):
-        engine.add_request(f"async-cancel-{i}", p, params)
-    for _ in range(4):
-        engine.step()
-    assert free_blocks(llm) < before
-    engine.abort_request(["async-cancel-0", "async-cancel-2", "async-cancel-4"])
-    for _ in range(3):
-        engine.step()
-    engine.abort_request(["async-cancel-5"])
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert free_blocks(llm) == before
-    assert not engine_core(llm).scheduler.requests
+    check_cancellation_frees_kv(async_llms(K), tokenizer, prefix="async-cancel")
 
 
 def test_async_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2,
-                                     "adaptive": False},
-                   num_gpu_blocks_override=6, max_model_len=512, async_scheduling=True)
-    prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
-    params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
-    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
-    want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
-        "the workload did not preempt"
-    assert not engine_core(llm).scheduler.requests
-    assert free_blocks(llm) == engine_core(llm).scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer, async_scheduling=True)
 
 
 @pytest.mark.parametrize("setting", ["temperature", "top_k_top_p"])
 def test_async_sampled_loopspec_recovers_target_distribution(v16_async, setting):
     """The chi-square test of test_loopspec_sampling.py, under async."""
-    from test_loopspec_sampling import CHI2_999, DRAWS, PROMPT, SETTINGS, chi_square, exact_marginals
+    from test_loopspec_sampling import SETTINGS, check_target_marginals
 
     (_, oracle), llm = v16_async
-    proc = SETTINGS[setting]
-    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, **proc)
-    stats = model_runner(llm).drafter.stats
-    drafted_before = stats.drafted_tokens
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
-    seqs = [list(o.outputs[0].token_ids) for o in outs]
-    assert all(len(s) == 3 for s in seqs)
-    assert stats.drafted_tokens - drafted_before >= DRAWS, "the continuations were not speculated"
-    target2, target3 = exact_marginals(oracle, loop=4, **proc)
-    for position, target in ((1, target2), (2, target3)):
-        stat, dof = chi_square(Counter(s[position] for s in seqs), target, DRAWS)
-        assert stat < CHI2_999[dof], f"token {position + 1}: chi2={stat:.1f} dof={dof}"
+    check_target_marginals(llm, oracle, SETTINGS[setting])
 
 
 @pytest.fixture(scope="module")
@@ -286,11 +231,8 @@ def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_l
     llm = async_llms(4, adaptive=True)
     runner = model_runner(llm)
     trace: list[dict] = []
-    runner.drafter.trace = trace
-    try:
+    with drafter_hooks(llm, trace=trace):
         llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
-    finally:
-        runner.drafter.trace = None
     drafted = Counter(len(r["tokens"]) - 1 for rnd in trace for r in rnd.values())
     assert len(drafted) > 1 and min(drafted) < runner.num_spec_tokens, drafted
 
@@ -299,16 +241,12 @@ def test_async_min_p_request_never_drafts_and_stays_exact(async_llms, native_llm
     """A sampled min_p request cannot be verified by vLLM's rejection sampler:
     its placeholders are trimmed away every step while its neighbour drafts."""
     llm = async_llms(4)
-    runner = model_runner(llm)
     prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10, 11, 12]}]
     params = [SamplingParams(max_tokens=16, temperature=1.0, min_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)]
     trace: list[dict] = []
-    runner.drafter.trace = trace
-    try:
+    with drafter_hooks(llm, trace=trace):
         got = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        runner.drafter.trace = None
     want = native_llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in got] == [list(o.outputs[0].token_ids) for o in want]
     # (The engine's request ids carry a suffix after the caller's.)

@@ -35,8 +35,12 @@ def prompts(tokenizer):
 def native_reference(native_llm, prompts):
     """Native greedy outputs per (prompt, budget); native == oracle is tested
     in test_native_vs_oracle.py."""
+    return native_outputs(native_llm, prompts, BUDGETS)
+
+
+def native_outputs(native_llm, prompts, budgets) -> dict:
     ref = {}
-    for budget in BUDGETS:
+    for budget in budgets:
         outs = native_llm.generate(prompts, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
                                    use_tqdm=False)
         for p, o in zip(prompts, outs):

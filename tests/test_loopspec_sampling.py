@@ -113,25 +113,30 @@ def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> tuple[float, int
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampled_loopspec_recovers_target_distribution(v16, v16_llm, setting):
-    _, oracle = v16
-    proc = SETTINGS[setting]
+    check_target_marginals(v16_llm, v16[1], SETTINGS[setting], power_check=True)
+
+
+def check_target_marginals(llm, oracle, proc: dict, power_check: bool = False) -> None:
+    """Tokens 2 and 3 of DRAWS sampled continuations follow the target's
+    exact marginals (chi-square); with ``power_check`` the same test must
+    reject the draft distribution's."""
     params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, **proc)
-    stats = model_runner(v16_llm).drafter.stats
+    stats = model_runner(llm).drafter.stats
     drafted_before = stats.drafted_tokens
-    outs = v16_llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * DRAWS, params, use_tqdm=False)
     seqs = [list(o.outputs[0].token_ids) for o in outs]
     assert all(len(s) == 3 for s in seqs)
     drafted = stats.drafted_tokens - drafted_before
     assert drafted >= DRAWS, "the continuations were not speculated"
     target2, target3 = exact_marginals(oracle, loop=4, **proc)
-    draft2, _ = exact_marginals(oracle, loop=1, **proc)
     for position, target in ((1, target2), (2, target3)):
         counts = Counter(s[position] for s in seqs)
         stat, dof = chi_square(counts, target, DRAWS)
         assert stat < CHI2_999[dof], f"token {position + 1}: chi2={stat:.1f} dof={dof}"
-    # Power: the draft distribution is clearly distinguishable.
-    stat_q, dof_q = chi_square(Counter(s[1] for s in seqs), draft2, DRAWS)
-    assert stat_q > 3 * CHI2_999[dof_q], "test cannot tell q from p; make them differ more"
+    if power_check:  # the draft distribution is clearly distinguishable
+        draft2, _ = exact_marginals(oracle, loop=1, **proc)
+        stat_q, dof_q = chi_square(Counter(s[1] for s in seqs), draft2, DRAWS)
+        assert stat_q > 3 * CHI2_999[dof_q], "test cannot tell q from p; make them differ more"
 
 
 def test_seeded_requests_replay_exactly(v16_llm):

@@ -111,20 +111,25 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
 
 
 def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
-    llm = loopspec_llms(K)
+    check_cancellation_frees_kv(loopspec_llms(K), tokenizer)
+
+
+def check_cancellation_frees_kv(llm, tokenizer, prefix: str = "cancel") -> None:
+    """Requests cancelled while prefilling and while speculating free every
+    KV block they held."""
     engine = llm.llm_engine
     before = free_blocks(llm)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     prompts = SHORT[:4] + [long_prompt(260, tokenizer), MEDIUM[1]]
     for i, p in enumerate(prompts):
-        engine.add_request(f"cancel-{i}", p, params)
+        engine.add_request(f"{prefix}-{i}", p, params)
     for _ in range(4):
         engine.step()
     assert free_blocks(llm) < before
-    engine.abort_request(["cancel-0", "cancel-2", "cancel-4"])
+    engine.abort_request([f"{prefix}-0", f"{prefix}-2", f"{prefix}-4"])
     for _ in range(3):
         engine.step()
-    engine.abort_request(["cancel-5"])
+    engine.abort_request([f"{prefix}-5"])
     while engine.has_unfinished_requests():
         engine.step()
     assert free_blocks(llm) == before
@@ -134,8 +139,12 @@ def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
 def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
     """A KV pool of 6 blocks (768 tokens) for 5 requests of ~250 tokens forces
     vLLM to preempt and recompute; loopspec output must stay native."""
+    check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer)
+
+
+def check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer, **engine_overrides) -> None:
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2, "adaptive": False},
-                   num_gpu_blocks_override=6, max_model_len=512)
+                   num_gpu_blocks_override=6, max_model_len=512, **engine_overrides)
     prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
     params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -145,6 +154,8 @@ def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm,
     assert sched_stats.kv_cache_manager.block_pool.num_gpu_blocks == 6
     assert any(m.name == "vllm:num_preemptions" and m.value > 0 for m in llm.get_metrics()), \
         "the workload did not preempt"
+    assert not sched_stats.requests
+    assert free_blocks(llm) == sched_stats.kv_cache_manager.block_pool.num_gpu_blocks - 1  # all but the null block
 
 
 def test_spec_decode_metrics_match_rounds(tiny_checkpoint, tokenizer):

@@ -90,6 +90,20 @@ def test_reused_states_kv_and_logits_equal_serial_oracle(loopspec_llms, oracle, 
 
 
 @pytest.mark.parametrize("reject_at", list(range(K + 1)))
+def forcing_rejection(full: list[int], vocab: int, reject_at: int):
+    """A draft override: drafts 1..reject_at are the committed sequence's
+    (``full``) tokens, draft reject_at+1 is wrong, later ones are left."""
+    def override(req_id, step, token, anchor_pos):
+        target = full[anchor_pos + step]
+        if step - 1 < reject_at:
+            return target
+        if step - 1 == reject_at:
+            return (target + 1) % vocab
+        return token
+
+    return override
+
+
 def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, native_llm, oracle, tokenizer,
                                                                reject_at):
     """Drafts 1..reject_at are the target's tokens, draft reject_at+1 is wrong
@@ -108,14 +122,7 @@ def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, na
                   .outputs[0].token_ids)
     full = prompt_ids + native
 
-    def override(req_id, step, token, anchor_pos):
-        target = full[anchor_pos + step]
-        if step - 1 < reject_at:
-            return target
-        if step - 1 == reject_at:
-            return (target + 1) % vocab
-        return token
-
+    override = forcing_rejection(full, vocab, reject_at)
     trace: list[dict] = []
     frontiers = []
     slot_of = {}

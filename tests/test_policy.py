@@ -86,9 +86,12 @@ def test_fit_never_returns_negative_costs():
 
 # -- the controller, fed a synthetic engine ---------------------------------------
 
-def drive(controller, requests, costs, acceptance, steps, rng):
+def drive(controller, requests, costs, acceptance, steps, rng, observe=None, accepted=None, gap=0.0):
     """Run ``steps`` engine steps: the controller decides, the synthetic
-    engine reports the step's cost and each round's accepted drafts."""
+    engine reports the step's cost and each round's accepted drafts (drawn
+    with ``acceptance[req_id]``, or ``accepted(req_id, k)``); ``observe``
+    adds keywords to each step's report. Returns (drafts, skipped, reason)
+    per step."""
     history = []
     for _ in range(steps):
         drafts, skipped = controller.plan(requests)
@@ -96,15 +99,19 @@ def drive(controller, requests, costs, acceptance, steps, rng):
         tokens = len(requests) + sum(drafts)
         seconds = (costs.plain_step(tokens) if ticks == 0
                    else costs.spec_step(ticks, sum(1 for k in drafts if k), tokens))
-        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds)
-        controller.observe_gap(0.0)
+        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds,
+                                **(observe(drafts) if observe else {}))
+        controller.observe_gap(gap)
         for (req_id, sampled, _), k in zip(requests, drafts):
             if k:
-                accepted = 0
-                while accepted < k and rng.random() < acceptance[req_id]:
-                    accepted += 1
-                controller.observe_round(req_id, sampled, k, accepted)
-        history.append((drafts, skipped))
+                if accepted is not None:
+                    n = accepted(req_id, k)
+                else:
+                    n = 0
+                    while n < k and rng.random() < acceptance[req_id]:
+                        n += 1
+                controller.observe_round(req_id, sampled, k, n)
+        history.append((drafts, skipped, controller.history[-1].reason))
     return history
 
 
@@ -119,7 +126,7 @@ def test_controller_learns_costs_and_follows_the_policy():
     for k in range(1, 9):
         assert c.costs.spec_step(k, 1, 1 + k) == pytest.approx(CPU_LIKE.spec_step(k, 1, 1 + k), rel=0.05)
     assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.05)
-    policy = [max(d) for (d, _), r in zip(history, c.history) if r.reason == "policy"]
+    policy = [max(d) for d, _, reason in history if reason == "policy"]
     assert len(policy) > 100
 
     def true_rate(k):
@@ -145,8 +152,8 @@ def test_width_cap_turns_speculation_off_and_rearms_lower():
     assert not c.armed and c.cap == 16
     history = drive(c, wide[:13], costs, {r: 0.8 for r, _, _ in wide}, 32, rng)
     assert not c.armed  # 13 > rearm_width(16) == 12
-    plain = [not any(d) for d, _ in history]
-    assert sum(plain) >= 30 and all(s == {SKIP_WIDTH_CAP: 13} for (d, s) in history if not any(d))
+    plain = [not any(d) for d, _, _ in history]
+    assert sum(plain) >= 30 and all(s == {SKIP_WIDTH_CAP: 13} for d, s, _ in history if not any(d))
     drafts, _ = c.plan(wide[:2])
     assert c.armed and any(drafts)
 
@@ -157,12 +164,12 @@ def test_low_acceptance_request_is_paused_then_reprobed():
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [("good1", False, 8), ("good2", False, 8), ("bad", False, 8)]
     history = drive(c, reqs, dear_rows, {"good1": 0.95, "good2": 0.95, "bad": 0.0}, 300, rng)
-    bad = [d[2] for d, _ in history[-150:]]
-    good = [d[0] for d, _ in history[-150:]]
+    bad = [d[2] for d, _, _ in history[-150:]]
+    good = [d[0] for d, _, _ in history[-150:]]
     assert sum(k > 0 for k in good) > 100
     assert 0 < sum(k > 0 for k in bad) < 15  # re-probes only, with one draft
     assert all(k in (0, 1) for k in bad)
-    assert sum(s.get(SKIP_LOW_ACCEPTANCE, 0) for _, s in history[-150:]) > 100
+    assert sum(s.get(SKIP_LOW_ACCEPTANCE, 0) for _, s, _ in history[-150:]) > 100
 
 
 def test_pinned_start_k_is_used_until_costs_are_fitted():
@@ -176,22 +183,13 @@ def drive_measured(controller, requests, costs, acceptance_reported, committed_p
     policy while a round really commits ``committed_per_row(k)`` tokens per
     row: a model whose inputs are wrong (stale or optimistic estimates, a
     cost it cannot see), which only the delivered rate reveals."""
-    history = []
-    for _ in range(steps):
-        drafts, skipped = controller.plan(requests)
-        ticks = max(drafts, default=0)
-        tokens = len(requests) + sum(drafts)
-        seconds = (costs.plain_step(tokens) if ticks == 0
-                   else costs.spec_step(ticks, sum(1 for k in drafts if k), tokens))
-        committed = sum(committed_per_row(k) for k in drafts)
-        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds,
-                                width=len(requests), committed=committed)
-        controller.observe_gap(0.001)
-        for (req_id, sampled, _), k in zip(requests, drafts):
-            if k:
-                controller.observe_round(req_id, sampled, k, int(round(k * acceptance_reported)))
-        history.append((drafts, skipped, controller.history[-1].reason))
-    return history
+    def observe(drafts):
+        return dict(width=len(requests), committed=sum(committed_per_row(k) for k in drafts))
+
+    def accepted(req_id, k):
+        return int(round(k * acceptance_reported))
+
+    return drive(controller, requests, costs, None, steps, None, observe=observe, accepted=accepted, gap=0.001)
 
 
 def test_measured_rate_guard_turns_a_losing_speculation_plain():

@@ -30,10 +30,13 @@ rejection sampler, rollback of rejected tokens, stop handling and
 from __future__ import annotations
 
 import torch
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_loopspec.speculative.metrics import SnapshotWriter
+
+logger = init_logger(__name__)
 
 
 class LoopSpecRunnerMixin:
@@ -55,6 +58,11 @@ class LoopSpecRunnerMixin:
         )
         self._loopspec_spec_metadata = None
         self._loopspec_common = None
+        options = self.drafter.options
+        logger.info("loopspec: draft loops %s, K %s%s, async scheduling %s", options.draft_loops,
+                    options.num_speculative_tokens,
+                    f" (adaptive, at most {options.max_speculative_tokens})" if options.adaptive else "",
+                    "on" if self.use_async_scheduling else "off")
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         if self.use_async_scheduling and scheduler_output.scheduled_spec_decode_tokens:
