@@ -520,6 +520,27 @@ def async_section(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def pipeline_ceiling_section(rec: dict) -> list[str]:
+    """The pipelined schedule priced with measured costs (benchmarks/pipeline_ceiling.py)."""
+    inp = rec["inputs"]
+    lines = [f"Command: `{rec['command']}` ({rec['when']}). Not a measurement of a built schedule: the "
+             "pipelined schedule (RFC §7) is designed, not built; this prices it and the round with the "
+             f"costs this machine measured (S {fmt(inp['S_ms'])} ms a step, P {fmt(inp['P_ms'])} ms a tick, "
+             f"L(1) {fmt(inp['L1_ms'])} ms a loop; {inp['costs_from']}; {inp['curve_from']}), batch 1, as "
+             "speedup over native per committed token. The pipeline fills and drains once per engine step "
+             "of K slots.", "",
+             "| acceptance basis | K | best round (d) | best pipelined (d1, d2) |", "|---|---|---|---|"]
+    for basis, rows in rec["results"].items():
+        for k in sorted({r["K"] for r in rows}):
+            rnd = max((r for r in rows if r["schedule"] == "round" and r["K"] == k), key=lambda r: r["speedup"])
+            pip = max((r for r in rows if r["schedule"] == "pipelined" and r["K"] == k),
+                      key=lambda r: r["speedup"])
+            lines.append(f"| {basis} | {k} | {fmt(rnd['speedup'])}× (d={rnd['d']}, a={fmt(rnd['acceptance'])}) "
+                         f"| {fmt(pip['speedup'])}× ({pip['d1']}, {pip['d2'] or '–'}; a={fmt(pip['acceptance'])}, "
+                         f"{fmt(pip['ticks'], 1)} ticks) |")
+    return lines + [""]
+
+
 def compile_mode_section(rec: dict) -> list[str]:
     """Native and loopspec, eager and in vLLM's default (compiled) mode
     (benchmarks/gpu_decode.py run on CPU)."""
@@ -630,6 +651,9 @@ def main() -> None:
     async_rec = load("async_decode.json")
     lines += ["## Async scheduling (issue 15)", ""]
     lines += async_section(async_rec) if async_rec else ["(no async run recorded)", ""]
+    ceiling = load("pipeline_ceiling.json")
+    if ceiling:
+        lines += ["## Pipelined schedule: ceiling (issue 12, not built)", ""] + pipeline_ceiling_section(ceiling)
     lines += ["## By prompt set (short setting)", "",
               "Same method and engines as the sweep, one prompt set at a time.", ""]
     lines += prompt_set_table() + [""]
@@ -657,7 +681,7 @@ def main() -> None:
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst,
-                async_rec):
+                async_rec, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
