@@ -225,16 +225,22 @@ def v16_async(tmp_path_factory):
     return v16, llm
 
 
-def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_llms, prompts):
+def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_llms, prompts, native_reference,
+                                                                        monkeypatch):
     """The async scheduler gives every decoding row the engine's maximum K
-    (8 for the adaptive policy); rounds must draft each row's own K_i."""
+    (8 for the adaptive policy); rounds must draft each row's own K_i (here
+    the policy is pinned to 2) and stay exact."""
     llm = async_llms(4, adaptive=True)
-    runner = model_runner(llm)
+    controller = model_runner(llm).drafter.controller
+    monkeypatch.setattr(controller, "plan", lambda requests, other_tokens=0: (
+        [min(2, limit) for _, _, limit in requests], {}))
     trace: list[dict] = []
     with drafter_hooks(llm, trace=trace):
-        llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [native_reference[(p, 30)] for p in prompts]
     drafted = Counter(len(r["tokens"]) - 1 for rnd in trace for r in rnd.values())
-    assert len(drafted) > 1 and min(drafted) < runner.num_spec_tokens, drafted
+    assert model_runner(llm).num_spec_tokens == 8
+    assert drafted[2] > 0 and max(drafted) == 2, drafted
 
 
 def test_async_min_p_request_never_drafts_and_stays_exact(async_llms, native_llm):

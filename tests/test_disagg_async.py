@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 def pd_async(tiny_checkpoint, tmp_path_factory):
     with PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S,
                       log_dir=tmp_path_factory.mktemp("pd-async"), start_timeout_s=300,
-                      decode_speculative_config=FIXED_K, decode_args=("--async-scheduling",)) as deployment:
+                      decode_speculative_config=FIXED_K, decode_args=("--async-scheduling",),
+                      env={"VLLM_LOGGING_LEVEL": "INFO"}) as deployment:  # for loopspec's startup line
         yield deployment
 
 
@@ -48,4 +49,5 @@ def test_greedy_pd_with_async_decode_equals_native(pd_async, tokenizer):
 
     until(decode_counters, timeout=30)
     _assert_kv_freed(pd.prefill, pd.decode)
-    assert "async scheduling on" in pd.decode.log_path.read_text()
+    assert "loopspec: draft loops" in pd.decode.log_path.read_text()  # the line is there...
+    assert "async scheduling on" in pd.decode.log_path.read_text()  # ...and says the decode side is async

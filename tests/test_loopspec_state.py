@@ -89,7 +89,6 @@ def test_reused_states_kv_and_logits_equal_serial_oracle(loopspec_llms, oracle, 
     assert checked["rejected_positions"] > 0
 
 
-@pytest.mark.parametrize("reject_at", list(range(K + 1)))
 def forcing_rejection(full: list[int], vocab: int, reject_at: int):
     """A draft override: drafts 1..reject_at are the committed sequence's
     (``full``) tokens, draft reject_at+1 is wrong, later ones are left."""
@@ -104,6 +103,7 @@ def forcing_rejection(full: list[int], vocab: int, reject_at: int):
     return override
 
 
+@pytest.mark.parametrize("reject_at", list(range(K + 1)))
 def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, native_llm, oracle, tokenizer,
                                                                reject_at):
     """Drafts 1..reject_at are the target's tokens, draft reject_at+1 is wrong

@@ -36,7 +36,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_loopspec.speculative.metrics import SnapshotWriter
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.loopspec.runner")  # under vLLM's logger, which has the handlers
 
 
 class LoopSpecRunnerMixin:
