@@ -204,16 +204,17 @@ class AdaptiveController:
             self._gaps[self._last_kind].append(seconds)
         if self._pending_rate is not None:
             key, committed, step_seconds = self._pending_rate
-            gap = self._median_gaps()[key[1]]
+            gap = self._median_gap(key[1])
             self._rates.setdefault(key, _Rate()).update(committed / max(step_seconds + gap, 1e-9))
             self._pending_rate = None
 
-    def _median_gaps(self) -> dict[bool, float]:
-        """Median gap after each kind of step (all gaps while a kind has
-        fewer than 8: plain steps may be rare)."""
-        every = [g for kind in (False, True) for g in self._gaps[kind]]
-        return {kind: float(np.median(self._gaps[kind] if len(self._gaps[kind]) >= 8 else every or [0.0]))
-                for kind in (False, True)}
+    def _median_gap(self, speculative: bool) -> float:
+        """Median gap after a kind of step (all gaps while the kind has fewer
+        than 8: plain steps may be rare)."""
+        gaps = self._gaps[speculative]
+        if len(gaps) < 8:
+            gaps = [g for kind in (False, True) for g in self._gaps[kind]]
+        return float(np.median(gaps)) if len(gaps) else 0.0
 
     def forget(self, live_req_ids) -> None:
         """Drop the state of requests no longer in the batch."""
@@ -336,7 +337,6 @@ class AdaptiveController:
 
     def _refit(self) -> None:
         self._new_samples = 0
-        gap = self._median_gaps()
         plain = np.array(self._plain, dtype=np.float64).reshape(-1, 2)
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
@@ -356,8 +356,8 @@ class AdaptiveController:
             plain_coef = None
         if plain_coef is None or spec_coef is None:
             return
-        plain_coef[0] += gap[False]
-        spec_coef[0] += gap[True]
+        plain_coef[0] += self._median_gap(False)
+        spec_coef[0] += self._median_gap(True)
         self.costs = StepCosts(plain=tuple(float(c) for c in plain_coef), spec=tuple(float(c) for c in spec_coef))
 
     def _record(self, width: int, drafts: list[int], reason: str) -> None:

@@ -125,16 +125,8 @@ class LoopSpecDrafter:
             return self._propose_async()
         self._count_acceptance(sampled_token_ids)
         self._step_committed = sum(len(t) for t in sampled_token_ids)
-        max_len = self.runner.model_config.max_model_len
-        batch = self.runner.input_batch
-        limits: list[int | None] = []
-        for row, req_id in enumerate(batch.req_ids):
-            if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
-                limits.append(None)  # partial prefill chunk: nothing sampled
-                continue
-            limits.append(self.num_drafts(row, req_id, max_len))
-        if self.controller is not None:
-            limits = self._adapt(limits)
+        # A row that sampled nothing is a partial prefill chunk.
+        limits = self._next_limits(lambda row, req_id: row < len(sampled_token_ids) and bool(sampled_token_ids[row]))
         return [[] if k is None else [PLACEHOLDER_TOKEN] * k for k in limits]
 
     def _propose_async(self) -> torch.Tensor:
@@ -150,21 +142,28 @@ class LoopSpecDrafter:
         self._committed_prev, self._committed_now = self._committed_now, None
         runner = self.runner
         batch = runner.input_batch
-        max_len = runner.model_config.max_model_len
         discard = runner.discard_request_mask.np
-        limits: list[int | None] = []
-        for row, req_id in enumerate(batch.req_ids):
-            scheduled = self._step_scheduled.get(req_id, 0)
-            if discard[row] or not scheduled:
-                limits.append(None)  # partial prefill chunk, or not in this step
-                continue
-            # Through this step, every draft accepted: computed + scheduled, plus the bonus token.
-            num_tokens = int(batch.num_computed_tokens_cpu[row]) + scheduled + 1
-            limits.append(self.num_drafts(row, req_id, max_len, num_tokens=num_tokens))
-        if self.controller is not None:
-            limits = self._adapt(limits)
+        computed = batch.num_computed_tokens_cpu
+        scheduled = self._step_scheduled
+        limits = self._next_limits(
+            # Not a partial prefill chunk, and in this step.
+            lambda row, req_id: not discard[row] and scheduled.get(req_id, 0) > 0,
+            # Its length through this step with every draft accepted, plus the bonus token.
+            lambda row, req_id: int(computed[row]) + scheduled[req_id] + 1)
         self.next_drafts = {req_id: k for req_id, k in zip(batch.req_ids, limits) if k}
         return torch.zeros((len(batch.req_ids), runner.num_spec_tokens), dtype=torch.int32, device=runner.device)
+
+    def _next_limits(self, decoding, num_tokens=None) -> list[int | None]:
+        """``K_i`` for the next step of every row of the batch: None for rows
+        ``decoding(row, req_id)`` rejects, else the request's limit
+        (:meth:`num_drafts`, at length ``num_tokens(row, req_id)`` when given)
+        and, with the adaptive policy, its decision within it."""
+        max_len = self.runner.model_config.max_model_len
+        limits: list[int | None] = [
+            self.num_drafts(row, req_id, max_len, None if num_tokens is None else num_tokens(row, req_id))
+            if decoding(row, req_id) else None
+            for row, req_id in enumerate(self.runner.input_batch.req_ids)]
+        return self._adapt(limits) if self.controller is not None else limits
 
     def note_committed(self, counts: torch.Tensor) -> None:
         """Async: tokens each row of this step committed (accepted drafts +
@@ -244,7 +243,7 @@ class LoopSpecDrafter:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         drafts = [len(t) for t in spec_tokens.values()]
         self._step_shape = (max(drafts, default=0), sum(1 for k in drafts if k), tokens)
-        scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = self._step_scheduled
         decode_only = all(n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in scheduled.items())
         self._step_width = len(scheduled) if decode_only else None
         self._step_committed = None

@@ -83,7 +83,10 @@ class LoopSpecRunnerMixin:
     def _trim_to_chosen_drafts(self, scheduler_output):
         """A copy of the step's schedule with each row's drafts cut to the
         ``K_i`` the drafter chose after the previous step (the scheduler's own
-        object is not edited: in-process it is still the scheduler's)."""
+        object is not edited: in-process it is still the scheduler's). vLLM's
+        own trim (``update_scheduler_for_invalid_drafts``) serves ngram_gpu
+        only: it edits in place, waits on a copy event and reads counts by
+        row of a device tensor; here the counts are a host dict."""
         import dataclasses
 
         chosen = self.drafter.next_drafts
