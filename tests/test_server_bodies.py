@@ -99,8 +99,11 @@ def send(server, path: str, body) -> tuple[int, object]:
     r = requests.post(server.url + path, data=data, headers={"Content-Type": "application/json"},
                       timeout=600, stream=streamed)
     if streamed and r.status_code == 200:
-        events = [line[len("data:"):].strip() for line in r.iter_lines(decode_unicode=True)
-                  if line and line.startswith("data:")]
+        # Split on b"\n" only: iter_lines(decode_unicode=True) uses str.splitlines,
+        # which also breaks inside JSON strings holding U+2028, U+0085 or \x1c
+        # (sampled text can: vLLM writes them unescaped).
+        lines = (raw.decode() for raw in r.iter_lines(delimiter=b"\n"))
+        events = [line[len("data:"):].strip() for line in lines if line.startswith("data:")]
         return r.status_code, [e if e == "[DONE]" else json.loads(e) for e in events]
     try:
         return r.status_code, r.json()
