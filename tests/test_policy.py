@@ -99,9 +99,7 @@ def drive(controller, requests, costs, acceptance, steps, rng, observe=None, acc
         tokens = len(requests) + sum(drafts)
         seconds = (costs.plain_step(tokens) if ticks == 0
                    else costs.spec_step(ticks, sum(1 for k in drafts if k), tokens))
-        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds,
-                                **(observe(drafts) if observe else {}))
-        controller.observe_gap(gap)
+        rounds = []
         for (req_id, sampled, _), k in zip(requests, drafts):
             if k:
                 if accepted is not None:
@@ -110,7 +108,13 @@ def drive(controller, requests, costs, acceptance, steps, rng, observe=None, acc
                     n = 0
                     while n < k and rng.random() < acceptance[req_id]:
                         n += 1
-                controller.observe_round(req_id, sampled, k, n)
+                rounds.append((req_id, sampled, k, n))
+        report = dict(width=len(requests), committed=len(requests) + sum(r[3] for r in rounds))
+        controller.observe_step(ticks, sum(1 for k in drafts if k), tokens, seconds,
+                                **(report | (observe(drafts) if observe else {})))
+        controller.observe_gap(gap)
+        for r in rounds:
+            controller.observe_round(*r)
         history.append((drafts, skipped, controller.history[-1].reason))
     return history
 
@@ -126,7 +130,7 @@ def test_controller_learns_costs_and_follows_the_policy():
     for k in range(1, 9):
         assert c.costs.spec_step(k, 1, 1 + k) == pytest.approx(CPU_LIKE.spec_step(k, 1, 1 + k), rel=0.05)
     assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.05)
-    policy = [max(d) for d, _, reason in history if reason == "policy"]
+    policy = [max(d) for d, _, reason in history if reason in ("policy", "measured_rate")]
     assert len(policy) > 100
 
     def true_rate(k):
@@ -154,8 +158,10 @@ def test_width_cap_turns_speculation_off_and_rearms_lower():
     assert not c.armed  # 13 > rearm_width(16) == 12
     plain = [not any(d) for d, _, _ in history]
     assert sum(plain) >= 30 and all(s == {SKIP_WIDTH_CAP: 13} for d, s, _ in history if not any(d))
-    drafts, _ = c.plan(wide[:2])
-    assert c.armed and any(drafts)
+    # Two new requests that accept well: re-armed, they speculate.
+    narrow = [("n0", False, 8), ("n1", False, 8)]
+    history = drive(c, narrow, costs, {"n0": 0.9, "n1": 0.9}, 40, rng)
+    assert c.armed and sum(any(d) for d, _, _ in history[-20:]) >= 16
 
 
 def test_low_acceptance_request_is_paused_then_reprobed():
@@ -242,3 +248,65 @@ def test_a_gap_that_may_hold_idle_time_is_not_a_step_cost():
         c.observe_gap(None)  # ...and the engine then waits for the next call
     assert c.costs is not None
     assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.1)
+
+
+def test_measurement_caps_the_drafts_where_fewer_delivered_more():
+    """The policy believes every draft is accepted, but rounds commit only
+    their first draft: K=1 delivers most, so steps are capped near it
+    (exploration still tries one more) instead of running the model's K."""
+    from vllm_loopspec.speculative.adaptive import SKIP_MEASURED
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(4)]
+    history = drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1 + min(k, 1), 400)
+    rates = c.measured_rates(4)
+    assert max(rates, key=rates.get) == 1, rates
+    late = history[-100:]
+    assert sum(max(d) == 1 for d, _, _ in late) > 80
+    assert all(max(d) <= 2 for d, _, reason in late if reason != "explore")
+    assert any(reason == SKIP_MEASURED for _, _, reason in late)
+
+
+def test_measurement_raises_a_plain_choice_where_rounds_delivered_more():
+    """The policy believes no draft is accepted (it would decode plainly),
+    but the rounds exploration runs commit most of their drafts: measured,
+    they overrule the model and the engine speculates."""
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(4)]
+    history = drive_measured(c, reqs, CPU_LIKE, 0.0, lambda k: 1 + int(0.9 * k), 400)
+    assert c.armed
+    assert sum(any(d) for d, _, _ in history[-100:]) > 80
+
+
+def test_width_cap_probes_back_off_while_they_confirm_the_cap():
+    rng = np.random.default_rng(5)
+    c = AdaptiveController(max_k=8, start_k=4)
+    wide = [(f"w{i}", False, 8) for i in range(16)]
+    drive(c, wide, CPU_LIKE, {r: 0.8 for r, _, _ in wide}, 200, rng)
+    assert not c.armed
+    history = drive(c, wide, CPU_LIKE, {r: 0.8 for r, _, _ in wide}, 500, rng)
+    rounds = [i for i, (d, _, _) in enumerate(history) if any(d)]
+    assert 1 <= len(rounds) <= 5, rounds  # probes 16, 32, 64, 128, 256 steps apart at most
+
+
+def test_fit_separates_context_from_the_intercept():
+    """Steps of the same widths over short and long contexts: the fitted
+    plain cost of a short-context step is its own, not the average."""
+    truth = StepCosts(plain=CPU_LIKE.plain, spec=CPU_LIKE.spec, context=(2e-6, 3e-6))
+    c = AdaptiveController(max_k=8, start_k=4)
+    rng = np.random.default_rng(6)
+    for step in range(400):
+        width = int(rng.integers(1, 9))
+        context = width * int(rng.choice([40, 500]))
+        ticks = int(rng.integers(0, 5)) if step % 3 else 0
+        tokens = width * (1 + ticks)
+        seconds = (truth.plain_step(width, context) if ticks == 0
+                   else truth.spec_step(ticks, width, tokens, context))
+        c.observe_step(ticks, width if ticks else 0, width if ticks == 0 else tokens, seconds, context=context)
+        c.observe_gap(0.0)
+    c.plan([("a", False, 8)])  # the controller refits when it decides
+    assert c.costs is not None
+    for width, context in ((4, 160), (4, 2000)):
+        assert c.costs.plain_step(width, context) == pytest.approx(truth.plain_step(width, context), rel=0.1)
+        assert c.costs.spec_step(2, width, 3 * width, context) == pytest.approx(
+            truth.spec_step(2, width, 3 * width, context), rel=0.1)

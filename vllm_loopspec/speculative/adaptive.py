@@ -21,14 +21,18 @@
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
 * **Measured-rate guard**: the model above predicts; the guard checks. For
-  decode-only steps it keeps the committed tokens per second that plain
-  steps and speculative steps actually delivered, per batch-width bucket
-  (powers of two). Where speculation has delivered less than plain decoding
-  at this width, a speculative decision becomes a plain step (counted as
+  decode-only steps it keeps the committed tokens per second that steps of
+  each draft count (the step's largest ``K_i``; 0 is a plain step) actually
+  delivered, per batch-width bucket (powers of two) and sampling mix (all
+  greedy, mixed, all sampled: they accept differently). Where the model's
+  choice has delivered less than another draft count at this width and mix,
+  the step is capped at the best measured one (a plain step is counted as
   ``measured_rate``, and toward the width cap), so a cost model that is off
-  at some width (a per-row cost it could not separate, a busy machine)
-  cannot keep the engine slower than native. Exploration and the disarmed
-  probes keep both figures fresh.
+  (a per-row cost it could not separate, a busy machine, a tail acceptance
+  it overrates) cannot keep the engine slower than its best measured
+  choice, or than native. Exploration keeps the figures fresh; it is rarer
+  toward a choice measured well below the best, and the width cap's probes
+  back off while they keep confirming the cap.
 
 No constant here is a machine cost; every cost comes from measurement.
 """
@@ -50,10 +54,16 @@ ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
 EXPLORE_EVERY = 8  # steps
+# Exploring toward a draft count measured below this share of the best
+# measured one happens one exploration turn in EXPLORE_POOR_EVERY.
+EXPLORE_POOR_SHARE = 0.85
+EXPLORE_POOR_EVERY = 4
 DISARM_AFTER = 4  # consecutive plain decisions
-REFIT_EVERY = 8  # new samples
+REFIT_EVERY = 16  # new samples
 SAMPLE_WINDOW = 512
 PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
+CAP_PROBE_BACKOFF = (2 * EXPLORE_EVERY, 256)  # steps between width-cap probes: first, longest
+CONTEXT_BUCKET = 64  # tokens: step contexts closer than this are one shape of the fit
 
 # Reasons a request decodes one token without drafting (metrics labels).
 SKIP_WIDTH_CAP = "width_cap"
@@ -66,6 +76,7 @@ SKIP_MEASURED = "measured_rate"
 # at a width before the guard speaks.
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
+GUARD_MARGIN = 0.05  # a measured choice overrules the model's when it delivered this much more
 
 
 @dataclass
@@ -115,6 +126,13 @@ def width_bucket(width: int) -> int:
     return max(int(width) - 1, 0).bit_length()
 
 
+GREEDY, MIXED, SAMPLED = 0, 1, 2  # a batch's sampling mix
+
+
+def sampling_mix(sampled: list[bool]) -> int:
+    return SAMPLED if all(sampled) else GREEDY if not any(sampled) else MIXED
+
+
 @dataclass
 class _RequestState:
     acceptance: _Estimate
@@ -147,17 +165,20 @@ class AdaptiveController:
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
         self._engine_acceptance = {mode: _Estimate.prior(self.max_k) for mode in (False, True)}
-        self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, seconds)
-        self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, seconds)
+        self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, context, seconds)
+        self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, context, seconds)
         # Time between a step's end and the next step's start (scheduler,
         # output handling), by the kind of the step it follows: a round
         # hands back more tokens than a plain step.
         self._gaps: dict[bool, deque] = {False: deque(maxlen=64), True: deque(maxlen=64)}
         self._last_kind: bool | None = None  # speculative? of the last timed step
-        self._pending_rate: tuple[tuple[int, bool], int, float] | None = None
+        self._pending_rate: tuple[tuple[int, int], int, int, float] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
-        self._rates: dict[tuple[int, bool], _Rate] = {}  # (width bucket, speculative) -> delivered
+        # (width bucket, sampling mix) -> draft count of the step -> delivered rate
+        self._rates: dict[tuple[int, int], dict[int, _Rate]] = {}
+        self._probe_interval = CAP_PROBE_BACKOFF[0]
+        self._next_probe = 0
 
     # -- measurements -------------------------------------------------------------
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
@@ -172,12 +193,15 @@ class AdaptiveController:
             state.probing = False
 
     def observe_step(self, ticks: int, spec_rows: int, tokens: int, seconds: float,
-                     width: int | None = None, committed: int | None = None) -> None:
+                     width: int | None = None, committed: int | None = None,
+                     context: int = 0, mix: int = GREEDY) -> None:
         """A timed engine step (``ticks == 0``: plain). The first step of
         each shape is not a sample: it pays one-off work (kernel selection,
         compilation of a new size) that later steps of the shape do not.
-        ``width``/``committed``: for a decode-only step, its requests and
-        the tokens they committed (the measured-rate guard's input)."""
+        ``context``: the step's rows' lengths, summed. ``width``/
+        ``committed``: for a decode-only step, its requests and the tokens
+        they committed (the measured-rate guard's input), ``mix`` their
+        sampling mix."""
         shape = (ticks, spec_rows, tokens)
         self._last_kind, self._pending_rate = ticks > 0, None
         if shape not in self._shapes_seen:
@@ -185,14 +209,13 @@ class AdaptiveController:
             return
         if width and committed:
             # Its rate counts the gap that follows it (observe_gap).
-            self._pending_rate = ((width_bucket(width), ticks > 0), committed, seconds)
+            self._pending_rate = ((width_bucket(width), mix), ticks, committed, seconds)
+        context = int(round(context / CONTEXT_BUCKET)) * CONTEXT_BUCKET
         if ticks == 0:
-            self._plain.append((tokens, seconds))
+            self._plain.append((tokens, context, seconds))
         else:
-            self._spec.append((ticks, spec_rows, tokens, seconds))
+            self._spec.append((ticks, spec_rows, tokens, context, seconds))
         self._new_samples += 1
-        if self._new_samples >= REFIT_EVERY:
-            self._refit()
 
     def observe_gap(self, seconds: float | None) -> None:
         """Time between the end of one step and the start of the next; None
@@ -203,9 +226,10 @@ class AdaptiveController:
         if seconds is not None:
             self._gaps[self._last_kind].append(seconds)
         if self._pending_rate is not None:
-            key, committed, step_seconds = self._pending_rate
-            gap = self._median_gap(key[1])
-            self._rates.setdefault(key, _Rate()).update(committed / max(step_seconds + gap, 1e-9))
+            key, ticks, committed, step_seconds = self._pending_rate
+            gap = self._median_gap(ticks > 0)
+            self._rates.setdefault(key, {}).setdefault(ticks, _Rate()).update(
+                committed / max(step_seconds + gap, 1e-9))
             self._pending_rate = None
 
     def _median_gap(self, speculative: bool) -> float:
@@ -222,28 +246,34 @@ class AdaptiveController:
             del self._requests[req_id]
 
     # -- decision -----------------------------------------------------------------
-    def plan(self, requests: list[tuple[str, bool, int]], other_tokens: int = 0) -> tuple[list[int], dict[str, int]]:
+    def plan(self, requests: list[tuple[str, bool, int]], other_tokens: int = 0,
+             context: int = 0) -> tuple[list[int], dict[str, int]]:
         """``K_i`` for ``(req_id, sampled, max_drafts)`` of the next step, and
-        request-steps without drafts counted by reason."""
+        request-steps without drafts counted by reason. ``context``: the
+        lengths of the step's rows, summed."""
         self.step += 1
         width = len(requests)
         skipped: dict[str, int] = {}
         if not requests:
             return [], skipped
-        if self.costs is None:
-            drafts = self._warmup(requests)
-            self._record(width, drafts, "warmup")
-            return drafts, skipped
         if not self.armed and width <= rearm_width(self.cap):
             self.armed, self.cap = True, None
-        if not self.armed and self.step % (2 * EXPLORE_EVERY) != 0:
+        if not self.armed and self.step < self._next_probe:
             skipped[SKIP_WIDTH_CAP] = width
             drafts = [0] * width
             self._record(width, drafts, "width_cap")
             return drafts, skipped
-        # (Disarmed, one step in 2 * EXPLORE_EVERY asks the policy: if
-        # speculation pays again at this width it re-arms, otherwise the step
-        # is a one-draft round that measures what a round costs this wide.)
+        if self._new_samples >= REFIT_EVERY or self.costs is None:
+            self._refit()  # here, not per sample: plain steps under the width cap fit nothing
+        if self.costs is None:
+            drafts = self._warmup(requests)
+            self._record(width, drafts, "warmup")
+            return drafts, skipped
+        # (Disarmed, a probe step asks the policy: if speculation pays again
+        # at this width it re-arms, otherwise the step is a round that
+        # measures what a round delivers this wide, and the next probe waits
+        # twice as long.)
+        key = (width_bucket(width), sampling_mix([sampled for _, sampled, _ in requests]))
         probes = []
         candidates = []
         for req_id, sampled, limit in requests:
@@ -252,30 +282,44 @@ class AdaptiveController:
             probe = not paused and state.paused_until >= 0 and limit > 0
             probes.append(probe)
             candidates.append(Candidate(state.acceptance.read(), 0 if paused or probe else limit))
-        decision = decide(candidates, self.costs, self.max_k, other_tokens)
+        decision = decide(candidates, self.costs, self.max_k, other_tokens, context)
         drafts = list(decision.drafts)
         reason = "policy"
-        measured_loss = not decision.plain and self.speculation_loses(width)
+        target = self.measured_choice(key, max(drafts))
+        measured_loss = target == 0 and not decision.plain
         if not self.armed:
             if decision.plain or measured_loss:
                 # Stay disarmed; measure a round of this width: the policy's
                 # own drafts where it wanted to speculate, else one draft.
                 if decision.plain:
                     drafts = [min(1, c.max_drafts) for c in candidates]
+                self._probe_interval = min(2 * self._probe_interval, CAP_PROBE_BACKOFF[1])
+                self._next_probe = self.step + self._probe_interval
                 self._record(width, drafts, "explore")
                 return drafts, skipped
             self.armed, self.cap = True, None
-        if measured_loss:
-            drafts, reason = [0] * width, SKIP_MEASURED
+        if target is not None:
+            # Measurement overrules the model: fewer drafts (or none) where the
+            # model's choice delivered less, as many as measured best where
+            # the model's choice is a plain step that delivered less.
+            drafts = ([min(target, c.max_drafts) for c in candidates] if decision.plain
+                      else [min(k, target) for k in drafts])
+            reason = SKIP_MEASURED
         eligible = any(c.max_drafts for c in candidates)
-        plain = decision.plain or measured_loss
+        plain = not any(drafts)
         self.plain_streak = self.plain_streak + 1 if plain and eligible else 0
-        if self.plain_streak >= DISARM_AFTER:
+        # Disarm only where rounds have been measured at this width and mix:
+        # a model extrapolating to a width it has not seen rounds at must not
+        # switch speculation off there before exploration has measured one.
+        if self.plain_streak >= DISARM_AFTER and any(k for k in self._measured(key)):
             self.armed, self.cap, self.plain_streak = False, width, 0
+            self._probe_interval = CAP_PROBE_BACKOFF[0]
+            self._next_probe = self.step + self._probe_interval
         if self.step % EXPLORE_EVERY == 0:
-            drafts = self._explore(list(decision.drafts) if measured_loss else drafts,
-                                   [c.max_drafts for c in candidates])
-            reason = "explore"
+            explored = self._explore(list(decision.drafts) if measured_loss else drafts,
+                                     [c.max_drafts for c in candidates], key)
+            if explored is not None:
+                drafts, reason = explored, "explore"
         for i, (req_id, _, limit) in enumerate(requests):
             state = self._requests[req_id]
             if probes[i]:
@@ -294,14 +338,36 @@ class AdaptiveController:
         self._record(width, drafts, reason)
         return drafts, skipped
 
-    def speculation_loses(self, width: int) -> bool:
-        """Speculative steps of this width bucket have delivered fewer
-        committed tokens per second than plain ones (both measured enough)."""
-        bucket = width_bucket(width)
-        plain, spec = self._rates.get((bucket, False)), self._rates.get((bucket, True))
-        if plain is None or spec is None or min(plain.samples, spec.samples) < GUARD_MIN_SAMPLES:
-            return False
-        return spec.value < plain.value
+    def measured_rates(self, width: int, mix: int = GREEDY) -> dict[int, float]:
+        """Committed tokens per second delivered by steps of each draft count
+        (measured enough) at this width bucket and sampling mix."""
+        return self._measured((width_bucket(width), mix))
+
+    def measured_choice(self, key: tuple[int, int], k: int) -> int | None:
+        """The draft count measurement prefers to the policy's choice of
+        ``k`` drafts (0: a plain step) at this width bucket and sampling
+        mix: the best measured one where ``k`` has delivered less than it,
+        or plain where ``k`` is unmeasured and plain steps have delivered
+        more than every measured draft count; None: no evidence against
+        ``k``."""
+        measured = self._measured(key)
+        if len(measured) < 2:
+            return None
+        best = max(measured, key=measured.get)
+        if k in measured:
+            return best if measured[best] > (1 + GUARD_MARGIN) * measured[k] else None
+        return 0 if best == 0 else None
+
+    def _measured(self, key: tuple[int, int]) -> dict[int, float]:
+        rates = self._rates.get(key, {})
+        return {k: r.value for k, r in rates.items() if r.samples >= GUARD_MIN_SAMPLES}
+
+    def speculation_loses(self, width: int, mix: int = GREEDY) -> bool:
+        """Plain steps of this width bucket and mix have delivered more
+        committed tokens per second than steps of every measured draft
+        count (plain and at least one draft count measured enough)."""
+        measured = self.measured_rates(width, mix)
+        return 0 in measured and len(measured) > 1 and max(measured, key=measured.get) == 0
 
     # -- internals ----------------------------------------------------------------
     def _request(self, req_id: str, sampled: bool) -> _RequestState:
@@ -325,40 +391,54 @@ class AdaptiveController:
         k = (self.start_k, 1, self.max_k)[phase - 1]
         return [min(k, limit) for _, _, limit in requests]
 
-    def _explore(self, drafts: list[int], limits: list[int]) -> list[int]:
+    def _explore(self, drafts: list[int], limits: list[int], key: tuple[int, int]) -> list[int] | None:
         """A neighbour of the decision: one draft more, one fewer, or plain,
-        in turn."""
-        turn = (self.step // EXPLORE_EVERY) % 3
+        in turn; None (no exploration this turn) where that neighbour has
+        delivered well below the best measured choice, except one turn in
+        :data:`EXPLORE_POOR_EVERY`."""
+        exploration = self.step // EXPLORE_EVERY
+        turn = exploration % 3
         if turn == 2 or not any(limits):
-            return [0] * len(drafts)
-        k = max(drafts) if any(drafts) else 0
-        k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
-        return [min(k, limit) for limit in limits]
+            explored = [0] * len(drafts)
+        else:
+            k = max(drafts) if any(drafts) else 0
+            k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
+            explored = [min(k, limit) for limit in limits]
+        measured = self._measured(key)
+        target = measured.get(max(explored, default=0))
+        if (target is not None and target < EXPLORE_POOR_SHARE * max(measured.values())
+                and (exploration // 3) % EXPLORE_POOR_EVERY != 0):
+            return None
+        return explored
 
     def _refit(self) -> None:
         self._new_samples = 0
-        plain = np.array(self._plain, dtype=np.float64).reshape(-1, 2)
-        spec = np.array(self._spec, dtype=np.float64).reshape(-1, 4)
+        plain = np.array(self._plain, dtype=np.float64).reshape(-1, 3)
+        spec = np.array(self._spec, dtype=np.float64).reshape(-1, 5)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
             return
         shapes, seconds, counts = shape_medians(spec)
-        ticks, rows, tokens = shapes[:, 0], shapes[:, 1], shapes[:, 2]
-        spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens]), seconds, counts)
+        ticks, rows, tokens, context = shapes.T
+        spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens, context]),
+                               seconds, counts)
         shapes, seconds, counts = shape_medians(plain)
         if len(shapes) >= 2:
-            plain_coef = fit_linear(np.column_stack([np.ones(len(shapes)), shapes[:, 0]]), seconds, counts)
+            plain_coef = fit_linear(np.column_stack([np.ones(len(shapes)), shapes]), seconds, counts)
         elif spec_coef is not None:
             # One plain shape only (decode steps of one width, no prefill
-            # seen): its per-token cost is the rounds' per-token cost.
-            per_token = spec_coef[3]
-            plain_coef = np.array([max(seconds[0] - per_token * shapes[0, 0], 0.0), per_token])
+            # seen): its per-token and per-context costs are the rounds'.
+            per_token, per_context = spec_coef[3], spec_coef[4]
+            plain_coef = np.array([max(seconds[0] - per_token * shapes[0, 0] - per_context * shapes[0, 1], 0.0),
+                                   per_token, per_context])
         else:
             plain_coef = None
         if plain_coef is None or spec_coef is None:
             return
         plain_coef[0] += self._median_gap(False)
         spec_coef[0] += self._median_gap(True)
-        self.costs = StepCosts(plain=tuple(float(c) for c in plain_coef), spec=tuple(float(c) for c in spec_coef))
+        self.costs = StepCosts(plain=(float(plain_coef[0]), float(plain_coef[1])),
+                               spec=tuple(float(c) for c in spec_coef[:4]),
+                               context=(float(plain_coef[2]), float(spec_coef[4])))
 
     def _record(self, width: int, drafts: list[int], reason: str) -> None:
         self.history.append(StepRecord(self.step, width, tuple(drafts), reason))

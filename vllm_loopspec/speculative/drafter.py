@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_loopspec.speculative.adaptive import AdaptiveController
+from vllm_loopspec.speculative.adaptive import AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan
 from vllm_loopspec.speculative.round import RoundOutput, run_round
@@ -71,6 +71,7 @@ class LoopSpecDrafter:
             )
         self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
         self._step_width: int | None = None  # requests of a decode-only step
+        self._step_context = 0  # the step's rows' lengths, summed
         self._step_committed: int | None = None  # tokens the step committed (propose)
         self._step_scheduled: dict[str, int] = {}  # tokens scheduled per request this step
         # Async scheduling: K_i chosen for the next step (the runner trims
@@ -188,7 +189,8 @@ class LoopSpecDrafter:
         batch = self.runner.input_batch
         decoding = [row for row, k in enumerate(limits) if k is not None]
         requests = [(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), limits[row]) for row in decoding]
-        drafts, skipped = self.controller.plan(requests)
+        context = int(batch.num_tokens_no_spec[: len(limits)].sum())
+        drafts, skipped = self.controller.plan(requests, context=context)
         self.stats.skipped.update(skipped)
         self.controller.forget(batch.req_ids)
         out = list(limits)
@@ -243,6 +245,9 @@ class LoopSpecDrafter:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         drafts = [len(t) for t in spec_tokens.values()]
         self._step_shape = (max(drafts, default=0), sum(1 for k in drafts if k), tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        self._step_context = (sum(cached.num_computed_tokens) + tokens
+                              + sum(r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs))
         scheduled = self._step_scheduled
         decode_only = all(n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in scheduled.items())
         self._step_width = len(scheduled) if decode_only else None
@@ -256,8 +261,12 @@ class LoopSpecDrafter:
         if self._step_shape is None:
             return
         self._step_end = time.perf_counter()
+        requests = self.runner.requests
+        mix = sampling_mix([bool(requests[r].sampling_params and requests[r].sampling_params.temperature > 0)
+                            for r in self._step_scheduled if r in requests])
         self.controller.observe_step(*self._step_shape, self._step_end - self._step_start,
-                                     width=self._step_width, committed=self._step_committed)
+                                     width=self._step_width, committed=self._step_committed,
+                                     context=self._step_context, mix=mix)
         self._step_shape = None
 
     def _count_acceptance(self, sampled_token_ids) -> None:

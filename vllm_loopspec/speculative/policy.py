@@ -6,12 +6,15 @@ the engine's step costs (:class:`StepCosts`, fitted from its own timings),
 it returns ``K_i`` per request that maximises expected committed tokens per
 second (DESIGN.md §4, general form):
 
-    plain step    T = s_p + t_p·tokens                 commits 1 per request
-    loopspec step T = s_s + c_k·K + c_r·K·B_s + t_s·tokens
+    plain step    T = s_p + t_p·tokens + x_p·context    commits 1 per request
+    loopspec step T = s_s + c_k·K + c_r·K·B_s + t_s·tokens + x_s·context
                                                         commits 1 + Σ_j Π_{i≤j} a_i
 
 ``K`` is the step's number of draft ticks (the largest ``K_i``), ``B_s`` the
-rows that draft, ``tokens`` every scheduled token (drafts are verified rows).
+rows that draft, ``tokens`` every scheduled token (drafts are verified rows),
+``context`` the tokens the step's rows attend to (their lengths, summed):
+without it, steps of one width over short and long contexts are one shape
+and the fitted intercepts sit between them.
 ``K = 0`` everywhere is vLLM's plain step. Nothing here touches an engine:
 :mod:`vllm_loopspec.speculative.adaptive` feeds it measurements.
 """
@@ -44,14 +47,16 @@ class StepCosts:
     spec: tuple[float, float, float, float]
     """``(s_s, c_k, c_r, t_s)``: intercept, per draft tick, per drafting row
     and tick, per scheduled token."""
+    context: tuple[float, float] = (0.0, 0.0)
+    """``(x_p, x_s)``: per context token of a plain and of a loopspec step."""
 
-    def plain_step(self, tokens: int) -> float:
+    def plain_step(self, tokens: int, context: int = 0) -> float:
         s, t = self.plain
-        return s + t * tokens
+        return s + t * tokens + self.context[0] * context
 
-    def spec_step(self, ticks: int, spec_rows: int, tokens: int) -> float:
+    def spec_step(self, ticks: int, spec_rows: int, tokens: int, context: int = 0) -> float:
         s, c_k, c_r, t = self.spec
-        return s + c_k * ticks + c_r * ticks * spec_rows + t * tokens
+        return s + c_k * ticks + c_r * ticks * spec_rows + t * tokens + self.context[1] * context
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,14 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
     return 1.0 + float(reach.sum())
 
 
-def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0) -> Decision:
+def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0,
+           context: int = 0) -> Decision:
     """``K_i`` per candidate for the next step. ``other_tokens``: scheduled
-    tokens that commit nothing this step (prefill chunks). Every number of
-    draft ticks ``1..max_k`` is evaluated at once (one row per choice)."""
+    tokens that commit nothing this step (prefill chunks); ``context``: the
+    step's rows' lengths, summed. Every number of draft ticks ``1..max_k``
+    is evaluated at once (one row per choice)."""
     n = len(candidates)
-    plain_rate = n / max(costs.plain_step(n + other_tokens), 1e-9)
+    plain_rate = n / max(costs.plain_step(n + other_tokens, context), 1e-9)
     plain = Decision(tuple([0] * n), plain_rate, plain_rate)
     if n == 0 or max_k < 1:
         return plain
@@ -87,8 +94,8 @@ def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_
     gains = np.concatenate([np.zeros((n, 1)), np.cumsum(reach, axis=1)], axis=1)  # gains[i, k]
     limits = np.array([min(max(c.max_drafts, 0), max_k) for c in candidates], dtype=np.int64)
     drafts = np.minimum(limits[None, :], np.arange(1, max_k + 1)[:, None])  # [choice, request]
-    drafts = _trim(drafts, reach, gains, costs, other_tokens)
-    rates = _rates(drafts, gains, costs, other_tokens)
+    drafts = _trim(drafts, reach, gains, costs, other_tokens, context)
+    rates = _rates(drafts, gains, costs, other_tokens, context)
     best = int(np.argmax(rates))
     if rates[best] <= plain_rate or not drafts[best].any():
         return plain
@@ -132,7 +139,8 @@ def _reach_matrix(candidates: Sequence[Candidate], max_k: int) -> np.ndarray:
     return np.cumprod(np.clip(np.array(rows, dtype=np.float64), 0.0, 1.0), axis=1)
 
 
-def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens: int) -> np.ndarray:
+def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens: int,
+           context: int = 0) -> np.ndarray:
     """Expected committed tokens per second of each row of ``drafts``
     (``[choice, request]``)."""
     n = drafts.shape[1]
@@ -140,13 +148,15 @@ def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens
     ticks = drafts.max(axis=1)
     tokens = n + other_tokens + drafts.sum(axis=1)
     s, c_k, c_r, t = costs.spec
-    seconds = np.where(ticks > 0, s + c_k * ticks + c_r * ticks * (drafts > 0).sum(axis=1) + t * tokens,
-                       costs.plain[0] + costs.plain[1] * tokens)
+    x_p, x_s = costs.context
+    seconds = np.where(ticks > 0,
+                       s + c_k * ticks + c_r * ticks * (drafts > 0).sum(axis=1) + t * tokens + x_s * context,
+                       costs.plain[0] + costs.plain[1] * tokens + x_p * context)
     return committed / np.maximum(seconds, 1e-9)
 
 
 def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepCosts,
-          other_tokens: int) -> np.ndarray:
+          other_tokens: int, context: int = 0) -> np.ndarray:
     """Drop drafts that cost more than they bring at the step's rate: a tail
     draft worth ``reach`` tokens costs its verification ``t_s``; a row's
     whole share costs ``c_r`` per draft tick (every drafting row runs every
@@ -156,7 +166,7 @@ def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepC
     _, _, per_row_tick, per_token = (max(c, 0.0) for c in costs.spec)
     rows = np.arange(drafts.shape[1])[None, :]
     for _ in range(3):
-        rate = _rates(drafts, gains, costs, other_tokens)[:, None]
+        rate = _rates(drafts, gains, costs, other_tokens, context)[:, None]
         worth = (reach[None, :, :] >= rate[:, :, None] * per_token).sum(axis=2)
         kept = np.minimum(drafts, worth)
         row_cost = per_row_tick * kept.max(axis=1, keepdims=True) + per_token * kept
@@ -201,5 +211,10 @@ def shape_medians(samples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     outliers a mean would follow."""
     shapes, inverse, counts = np.unique(samples[:, :-1], axis=0, return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1)
-    medians = np.array([np.median(samples[inverse == i, -1]) for i in range(len(shapes))])
+    # Sorted by shape, then by seconds: each shape's median sits in the
+    # middle of its run (vectorised; the policy refits on the hot path).
+    order = np.lexsort((samples[:, -1], inverse))
+    seconds = samples[order, -1]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    medians = 0.5 * (seconds[starts + (counts - 1) // 2] + seconds[starts + counts // 2])
     return shapes, medians, counts.astype(np.float64)
