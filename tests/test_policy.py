@@ -184,55 +184,68 @@ def test_pinned_start_k_is_used_until_costs_are_fitted():
     assert c.costs is None and set(drafts) == {0, 1, 3, 8}
 
 
-def drive_measured(controller, requests, costs, acceptance_reported, committed_per_row, steps):
-    """Like :func:`drive`, but the rounds report ``acceptance_reported`` to the
-    policy while a round really commits ``committed_per_row(k)`` tokens per
-    row: a model whose inputs are wrong (stale or optimistic estimates, a
-    cost it cannot see), which only the delivered rate reveals."""
-    def observe(drafts):
-        return dict(width=len(requests), committed=sum(committed_per_row(k) for k in drafts))
+class TrueCosts:
+    """What steps really cost, where the policy's model is made to differ:
+    a plain step and a round of ``k`` ticks cost the model's time times
+    ``plain`` and ``spec(k)``."""
 
-    def accepted(req_id, k):
-        return int(round(k * acceptance_reported))
+    def __init__(self, model: StepCosts, plain: float = 1.0, spec=lambda k: 1.0) -> None:
+        self.model, self.plain, self.spec = model, plain, spec
 
-    return drive(controller, requests, costs, None, steps, None, observe=observe, accepted=accepted, gap=0.001)
+    def plain_step(self, tokens, context=0):
+        return self.plain * self.model.plain_step(tokens, context)
+
+    def spec_step(self, ticks, rows, tokens, context=0):
+        return self.spec(ticks) * self.model.spec_step(ticks, rows, tokens, context)
 
 
-def test_measured_rate_guard_turns_a_losing_speculation_plain():
-    """The policy believes in speculation (acceptance reported high), but
-    rounds deliver one token per row: speculative steps then deliver fewer
-    tokens per second than plain ones at this width, and the guard makes the
-    steps plain (counted as measured_rate, then the width cap)."""
+def drive_with_wrong_model(controller, requests, model, truth, acceptance, steps, seed=0):
+    """:func:`drive` with the controller's cost model pinned to ``model``
+    (no refit) while steps cost what ``truth`` says: a fit that is off in
+    a way only the measured step times reveal."""
+    controller.costs = model
+    controller._refit = lambda: None
+    return drive(controller, requests, truth, acceptance, steps, np.random.default_rng(seed))
+
+
+def test_measured_time_turns_a_losing_speculation_plain():
+    """The model believes rounds cost what CPU_LIKE says; they cost three
+    times that. The measured factors make the steps plain (counted as
+    measured_rate), and the width cap follows."""
     from vllm_loopspec.speculative.adaptive import SKIP_MEASURED
 
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    history = drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1, 300)
-    assert c.speculation_loses(4)
+    acceptance = {r: 0.8 for r, _, _ in reqs}
+    assert not decide([Candidate((0.8,) * 8, 8)] * 4, CPU_LIKE, 8).plain
+    history = drive_with_wrong_model(c, reqs, CPU_LIKE, TrueCosts(CPU_LIKE, spec=lambda k: 3.0), acceptance, 300)
+    factors = c.measured_factors(4)
+    assert factors[0] == pytest.approx(1.0, rel=0.05) and all(f == pytest.approx(3.0, rel=0.05)
+                                                              for k, f in factors.items() if k)
     assert any(reason == SKIP_MEASURED for _, _, reason in history)
-    assert any(s.get(SKIP_MEASURED) for _, s, _ in history)
     late = history[-100:]
-    plain_share = sum(not any(d) for d, _, _ in late) / len(late)
-    assert plain_share > 0.85, plain_share  # probes and exploration only
+    assert sum(not any(d) for d, _, _ in late) / len(late) > 0.9  # probes only
     assert not c.armed and c.cap == 4
 
 
-def test_measured_rate_guard_keeps_a_paying_speculation():
+def test_measured_time_keeps_a_paying_speculation():
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    history = drive_measured(c, reqs, CPU_LIKE, 0.9, lambda k: 1 + int(0.9 * k), 300)
-    assert not c.speculation_loses(4) and c.armed
-    assert sum(any(d) for d, _, _ in history[-100:]) > 80
+    history = drive_with_wrong_model(c, reqs, CPU_LIKE, TrueCosts(CPU_LIKE), {r: 0.9 for r, _, _ in reqs}, 300)
+    assert all(f == pytest.approx(1.0, rel=0.01) for f in c.measured_factors(4).values())
+    assert c.armed and sum(any(d) for d, _, _ in history[-100:]) > 80
 
 
-def test_rates_are_compared_per_width_bucket():
-    from vllm_loopspec.speculative.adaptive import width_bucket
+def test_factors_are_kept_per_width_bucket_and_sampling_mix():
+    from vllm_loopspec.speculative.adaptive import SAMPLED, width_bucket
 
     assert [width_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1, 300)
-    assert c.speculation_loses(3) and not c.speculation_loses(8)  # 8 is another bucket, unmeasured
+    drive_with_wrong_model(c, reqs, CPU_LIKE, TrueCosts(CPU_LIKE, spec=lambda k: 3.0), {r: 0.8 for r, _, _ in reqs},
+                           300)
+    assert c.measured_factors(3) and not c.measured_factors(8)  # 8 is another bucket, unmeasured
+    assert not c.measured_factors(4, SAMPLED)
 
 
 def test_a_gap_that_may_hold_idle_time_is_not_a_step_cost():
@@ -250,30 +263,28 @@ def test_a_gap_that_may_hold_idle_time_is_not_a_step_cost():
     assert c.costs.plain_step(1) == pytest.approx(CPU_LIKE.plain_step(1), rel=0.1)
 
 
-def test_measurement_caps_the_drafts_where_fewer_delivered_more():
-    """The policy believes every draft is accepted, but rounds commit only
-    their first draft: K=1 delivers most, so steps are capped near it
-    (exploration still tries one more) instead of running the model's K."""
-    from vllm_loopspec.speculative.adaptive import SKIP_MEASURED
-
+def test_measured_time_caps_the_drafts_where_longer_rounds_cost_more():
+    """Rounds of more than one tick cost 2.5 times what the model says (a
+    cost its linear form cannot hold): one-draft rounds become the choice."""
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    history = drive_measured(c, reqs, CPU_LIKE, 1.0, lambda k: 1 + min(k, 1), 400)
-    rates = c.measured_rates(4)
-    assert max(rates, key=rates.get) == 1, rates
-    late = history[-100:]
-    assert sum(max(d) == 1 for d, _, _ in late) > 80
-    assert all(max(d) <= 2 for d, _, reason in late if reason != "explore")
-    assert any(reason == SKIP_MEASURED for _, _, reason in late)
+    truth = TrueCosts(CPU_LIKE, spec=lambda k: 1.0 if k == 1 else 2.5)
+    history = drive_with_wrong_model(c, reqs, CPU_LIKE, truth, {r: 0.95 for r, _, _ in reqs}, 400)
+    assert c.measured_factors(4)[2] == pytest.approx(2.5)
+    late = [max(d) for d, _, reason in history[-100:] if reason != "explore"]
+    assert sum(k == 1 for k in late) > 0.9 * len(late), late
 
 
-def test_measurement_raises_a_plain_choice_where_rounds_delivered_more():
-    """The policy believes no draft is accepted (it would decode plainly),
-    but the rounds exploration runs commit most of their drafts: measured,
-    they overrule the model and the engine speculates."""
-    c = AdaptiveController(max_k=8, start_k=4)
+def test_measured_time_turns_on_speculation_the_model_thought_too_dear():
+    """The model prices rounds at three times their cost: it would decode
+    plainly, but the one-draft rounds measured at a new width correct it and
+    the engine speculates."""
+    dear = StepCosts(CPU_LIKE.plain, tuple(3 * x for x in CPU_LIKE.spec))
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    history = drive_measured(c, reqs, CPU_LIKE, 0.0, lambda k: 1 + int(0.9 * k), 400)
+    assert decide([Candidate((0.9,) * 8, 8)] * 4, dear, 8).plain
+    c = AdaptiveController(max_k=8, start_k=4)
+    history = drive_with_wrong_model(c, reqs, dear, TrueCosts(dear, spec=lambda k: 1 / 3), {r: 0.9 for r, _, _ in reqs},
+                                     400)
     assert c.armed
     assert sum(any(d) for d, _, _ in history[-100:]) > 80
 

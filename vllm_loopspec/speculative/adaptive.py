@@ -20,19 +20,24 @@
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
-* **Measured-rate guard**: the model above predicts; the guard checks. For
-  decode-only steps it keeps the committed tokens per second that steps of
-  each draft count (the step's largest ``K_i``; 0 is a plain step) actually
-  delivered, per batch-width bucket (powers of two) and sampling mix (all
-  greedy, mixed, all sampled: they accept differently). Where the model's
-  choice has delivered less than another draft count at this width and mix,
-  the step is capped at the best measured one (a plain step is counted as
-  ``measured_rate``, and toward the width cap), so a cost model that is off
-  (a per-row cost it could not separate, a busy machine, a tail acceptance
-  it overrates) cannot keep the engine slower than its best measured
-  choice, or than native. Exploration keeps the figures fresh; it is rarer
-  toward a choice measured well below the best, and the width cap's probes
-  back off while they keep confirming the cap.
+* **Measured correction** (the guard): the fit predicts; measurement
+  checks it where the engine runs. For decode-only steps the controller
+  keeps, per batch-width bucket (powers of two), sampling mix (all greedy,
+  mixed, all sampled) and draft count (the step's largest ``K_i``; 0 is a
+  plain step), the ratio of each step's measured time to the fit's
+  prediction for it. The policy decides with predictions times these
+  factors, so a fit that is off where it matters (a per-row cost it could
+  not separate, the wide rounds it extrapolates to, a busy machine) is
+  corrected by what steps of that kind really cost here. Time is compared,
+  not delivered tokens: a draft count's tokens per second depend on when
+  the policy chose it (high acceptance), its step time does not. A plain
+  decision that only the factors produced counts as ``measured_rate``.
+  At a width and mix seen for the first time, plain steps, one-draft rounds
+  and the model's choice are measured first (exploration every
+  ``EXPLORE_EVERY // 2`` steps until each has :data:`GUARD_MIN_SAMPLES`);
+  afterwards exploration tries neighbours, rarely where the corrected model
+  expects them to lose much, and the width cap's probes back off while they
+  keep confirming the cap.
 
 No constant here is a machine cost; every cost comes from measurement.
 """
@@ -44,7 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_loopspec.speculative.policy import Candidate, StepCosts, decide, fit_linear, rearm_width, shape_medians
+from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_rate, fit_linear, rearm_width,
+                                              shape_medians)
 
 ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a few rounds
 # Weight of the newest observation: a running mean over the first 1/w
@@ -76,7 +82,6 @@ SKIP_MEASURED = "measured_rate"
 # at a width before the guard speaks.
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
-GUARD_MARGIN = 0.05  # a measured choice overrules the model's when it delivered this much more
 
 
 @dataclass
@@ -110,15 +115,15 @@ class _Estimate:
 
 
 @dataclass
-class _Rate:
-    """Committed tokens per second of one kind of step, weighted to recent."""
+class _Ratio:
+    """Measured over predicted time of one kind of step, weighted to recent."""
 
-    value: float = 0.0
+    value: float = 1.0
     samples: int = 0
 
-    def update(self, rate: float) -> None:
+    def update(self, ratio: float) -> None:
         self.samples += 1
-        self.value += max(1.0 / self.samples, GUARD_WEIGHT) * (rate - self.value)
+        self.value += max(1.0 / self.samples, GUARD_WEIGHT) * (ratio - self.value)
 
 
 def width_bucket(width: int) -> int:
@@ -172,11 +177,11 @@ class AdaptiveController:
         # hands back more tokens than a plain step.
         self._gaps: dict[bool, deque] = {False: deque(maxlen=64), True: deque(maxlen=64)}
         self._last_kind: bool | None = None  # speculative? of the last timed step
-        self._pending_rate: tuple[tuple[int, int], int, int, float] | None = None
+        self._pending: tuple[tuple[int, int], int, float, float] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
-        # (width bucket, sampling mix) -> draft count of the step -> delivered rate
-        self._rates: dict[tuple[int, int], dict[int, _Rate]] = {}
+        # (width bucket, sampling mix) -> draft count of the step -> measured / predicted time
+        self._ratios: dict[tuple[int, int], dict[int, _Ratio]] = {}
         self._probe_interval = CAP_PROBE_BACKOFF[0]
         self._next_probe = 0
 
@@ -203,13 +208,16 @@ class AdaptiveController:
         they committed (the measured-rate guard's input), ``mix`` their
         sampling mix."""
         shape = (ticks, spec_rows, tokens)
-        self._last_kind, self._pending_rate = ticks > 0, None
+        self._last_kind, self._pending = ticks > 0, None
         if shape not in self._shapes_seen:
             self._shapes_seen.add(shape)
             return
-        if width and committed:
-            # Its rate counts the gap that follows it (observe_gap).
-            self._pending_rate = ((width_bucket(width), mix), ticks, committed, seconds)
+        if width and self.costs is not None:
+            # The prediction includes the median gap after the step; so does
+            # the measurement (observe_gap).
+            predicted = (self.costs.plain_step(tokens, context) if ticks == 0
+                         else self.costs.spec_step(ticks, spec_rows, tokens, context))
+            self._pending = ((width_bucket(width), mix), ticks, seconds, predicted)
         context = int(round(context / CONTEXT_BUCKET)) * CONTEXT_BUCKET
         if ticks == 0:
             self._plain.append((tokens, context, seconds))
@@ -225,12 +233,11 @@ class AdaptiveController:
             return
         if seconds is not None:
             self._gaps[self._last_kind].append(seconds)
-        if self._pending_rate is not None:
-            key, ticks, committed, step_seconds = self._pending_rate
-            gap = self._median_gap(ticks > 0)
-            self._rates.setdefault(key, {}).setdefault(ticks, _Rate()).update(
-                committed / max(step_seconds + gap, 1e-9))
-            self._pending_rate = None
+        if self._pending is not None:
+            key, ticks, step_seconds, predicted = self._pending
+            measured = step_seconds + self._median_gap(ticks > 0)
+            self._ratios.setdefault(key, {}).setdefault(ticks, _Ratio()).update(measured / max(predicted, 1e-9))
+            self._pending = None
 
     def _median_gap(self, speculative: bool) -> float:
         """Median gap after a kind of step (all gaps while the kind has fewer
@@ -282,11 +289,11 @@ class AdaptiveController:
             probe = not paused and state.paused_until >= 0 and limit > 0
             probes.append(probe)
             candidates.append(Candidate(state.acceptance.read(), 0 if paused or probe else limit))
-        decision = decide(candidates, self.costs, self.max_k, other_tokens, context)
+        factors = self.time_factors(key)
+        decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors)
         drafts = list(decision.drafts)
         reason = "policy"
-        target = self.measured_choice(key, max(drafts))
-        measured_loss = target == 0 and not decision.plain
+        measured_loss = decision.plain and not decide(candidates, self.costs, self.max_k, other_tokens, context).plain
         if not self.armed:
             if decision.plain or measured_loss:
                 # Stay disarmed; measure a round of this width: the policy's
@@ -298,12 +305,7 @@ class AdaptiveController:
                 self._record(width, drafts, "explore")
                 return drafts, skipped
             self.armed, self.cap = True, None
-        if target is not None:
-            # Measurement overrules the model: fewer drafts (or none) where the
-            # model's choice delivered less, as many as measured best where
-            # the model's choice is a plain step that delivered less.
-            drafts = ([min(target, c.max_drafts) for c in candidates] if decision.plain
-                      else [min(k, target) for k in drafts])
+        if measured_loss:
             reason = SKIP_MEASURED
         eligible = any(c.max_drafts for c in candidates)
         plain = not any(drafts)
@@ -315,9 +317,14 @@ class AdaptiveController:
             self.armed, self.cap, self.plain_streak = False, width, 0
             self._probe_interval = CAP_PROBE_BACKOFF[0]
             self._next_probe = self.step + self._probe_interval
-        if self.step % EXPLORE_EVERY == 0:
-            explored = self._explore(list(decision.drafts) if measured_loss else drafts,
-                                     [c.max_drafts for c in candidates], key)
+        limits = [c.max_drafts for c in candidates]
+        unmeasured = self._unmeasured(key, {0, 1, max(decision.drafts)}) if any(limits) else []
+        if unmeasured and self.step % (EXPLORE_EVERY // 2) == 0:
+            # A width and mix seen first: measure plain steps, one-draft
+            # rounds and the model's choice before trusting either.
+            drafts, reason = [min(unmeasured[0], limit) for limit in limits], "explore"
+        elif self.step % EXPLORE_EVERY == 0:
+            explored = self._explore(drafts, candidates, key, decision.rate, other_tokens, context)
             if explored is not None:
                 drafts, reason = explored, "explore"
         for i, (req_id, _, limit) in enumerate(requests):
@@ -338,36 +345,34 @@ class AdaptiveController:
         self._record(width, drafts, reason)
         return drafts, skipped
 
-    def measured_rates(self, width: int, mix: int = GREEDY) -> dict[int, float]:
-        """Committed tokens per second delivered by steps of each draft count
-        (measured enough) at this width bucket and sampling mix."""
+    def time_factors(self, key: tuple[int, int]) -> np.ndarray:
+        """Per draft count ``0..max_k``: measured over predicted step time at
+        ``key`` (width bucket, sampling mix). A draft count measured too
+        rarely takes the factor of the nearest measured one of its kind
+        (rounds from rounds; plain steps only from plain steps), else 1."""
+        measured = self._measured(key)
+        spec = sorted(k for k in measured if k)
+        factors = np.ones(self.max_k + 1)
+        factors[0] = measured.get(0, 1.0)
+        for k in range(1, self.max_k + 1):
+            if spec:
+                factors[k] = measured[min(spec, key=lambda j: (abs(j - k), j))]
+        return factors
+
+    def measured_factors(self, width: int, mix: int = GREEDY) -> dict[int, float]:
+        """The factors measured enough at this width and mix, by draft count."""
         return self._measured((width_bucket(width), mix))
 
-    def measured_choice(self, key: tuple[int, int], k: int) -> int | None:
-        """The draft count measurement prefers to the policy's choice of
-        ``k`` drafts (0: a plain step) at this width bucket and sampling
-        mix: the best measured one where ``k`` has delivered less than it,
-        or plain where ``k`` is unmeasured and plain steps have delivered
-        more than every measured draft count; None: no evidence against
-        ``k``."""
-        measured = self._measured(key)
-        if len(measured) < 2:
-            return None
-        best = max(measured, key=measured.get)
-        if k in measured:
-            return best if measured[best] > (1 + GUARD_MARGIN) * measured[k] else None
-        return 0 if best == 0 else None
+    def _unmeasured(self, key: tuple[int, int], classes: set[int]) -> list[int]:
+        """Of ``classes`` (draft counts), those not yet measured enough at
+        ``key``, fewest samples first."""
+        ratios = self._ratios.get(key, {})
+        samples = {k: ratios[k].samples if k in ratios else 0 for k in classes}
+        return sorted((k for k, n in samples.items() if n < GUARD_MIN_SAMPLES), key=lambda k: (samples[k], k))
 
     def _measured(self, key: tuple[int, int]) -> dict[int, float]:
-        rates = self._rates.get(key, {})
-        return {k: r.value for k, r in rates.items() if r.samples >= GUARD_MIN_SAMPLES}
-
-    def speculation_loses(self, width: int, mix: int = GREEDY) -> bool:
-        """Plain steps of this width bucket and mix have delivered more
-        committed tokens per second than steps of every measured draft
-        count (plain and at least one draft count measured enough)."""
-        measured = self.measured_rates(width, mix)
-        return 0 in measured and len(measured) > 1 and max(measured, key=measured.get) == 0
+        ratios = self._ratios.get(key, {})
+        return {k: r.value for k, r in ratios.items() if r.samples >= GUARD_MIN_SAMPLES}
 
     # -- internals ----------------------------------------------------------------
     def _request(self, req_id: str, sampled: bool) -> _RequestState:
@@ -391,23 +396,23 @@ class AdaptiveController:
         k = (self.start_k, 1, self.max_k)[phase - 1]
         return [min(k, limit) for _, _, limit in requests]
 
-    def _explore(self, drafts: list[int], limits: list[int], key: tuple[int, int]) -> list[int] | None:
+    def _explore(self, drafts: list[int], candidates: list[Candidate], key: tuple[int, int], rate: float,
+                 other_tokens: int, context: int) -> list[int] | None:
         """A neighbour of the decision: one draft more, one fewer, or plain,
-        in turn; None (no exploration this turn) where that neighbour has
-        delivered well below the best measured choice, except one turn in
-        :data:`EXPLORE_POOR_EVERY`."""
+        in turn; None (no exploration this turn) where the corrected model
+        expects that neighbour to deliver well below the decision, except
+        one turn in :data:`EXPLORE_POOR_EVERY`."""
         exploration = self.step // EXPLORE_EVERY
         turn = exploration % 3
+        limits = [c.max_drafts for c in candidates]
         if turn == 2 or not any(limits):
             explored = [0] * len(drafts)
         else:
             k = max(drafts) if any(drafts) else 0
             k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
             explored = [min(k, limit) for limit in limits]
-        measured = self._measured(key)
-        target = measured.get(max(explored, default=0))
-        if (target is not None and target < EXPLORE_POOR_SHARE * max(measured.values())
-                and (exploration // 3) % EXPLORE_POOR_EVERY != 0):
+        expected = expected_rate(candidates, explored, self.costs, other_tokens, context, self.time_factors(key))
+        if expected < EXPLORE_POOR_SHARE * rate and (exploration // 3) % EXPLORE_POOR_EVERY != 0:
             return None
         return explored
 

@@ -80,13 +80,16 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0,
-           context: int = 0) -> Decision:
+           context: int = 0, factors: Sequence[float] | None = None) -> Decision:
     """``K_i`` per candidate for the next step. ``other_tokens``: scheduled
     tokens that commit nothing this step (prefill chunks); ``context``: the
-    step's rows' lengths, summed. Every number of draft ticks ``1..max_k``
-    is evaluated at once (one row per choice)."""
+    step's rows' lengths, summed; ``factors[k]``: measured over predicted
+    time of steps with ``k`` draft ticks (0: plain), which scales the
+    prediction. Every number of draft ticks ``1..max_k`` is evaluated at
+    once (one row per choice)."""
     n = len(candidates)
-    plain_rate = n / max(costs.plain_step(n + other_tokens, context), 1e-9)
+    factors = np.ones(max_k + 1) if factors is None else np.asarray(factors, dtype=np.float64)
+    plain_rate = n / max(costs.plain_step(n + other_tokens, context) * factors[0], 1e-9)
     plain = Decision(tuple([0] * n), plain_rate, plain_rate)
     if n == 0 or max_k < 1:
         return plain
@@ -94,8 +97,8 @@ def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_
     gains = np.concatenate([np.zeros((n, 1)), np.cumsum(reach, axis=1)], axis=1)  # gains[i, k]
     limits = np.array([min(max(c.max_drafts, 0), max_k) for c in candidates], dtype=np.int64)
     drafts = np.minimum(limits[None, :], np.arange(1, max_k + 1)[:, None])  # [choice, request]
-    drafts = _trim(drafts, reach, gains, costs, other_tokens, context)
-    rates = _rates(drafts, gains, costs, other_tokens, context)
+    drafts = _trim(drafts, reach, gains, costs, other_tokens, context, factors)
+    rates = _rates(drafts, gains, costs, other_tokens, context, factors)
     best = int(np.argmax(rates))
     if rates[best] <= plain_rate or not drafts[best].any():
         return plain
@@ -139,8 +142,18 @@ def _reach_matrix(candidates: Sequence[Candidate], max_k: int) -> np.ndarray:
     return np.cumprod(np.clip(np.array(rows, dtype=np.float64), 0.0, 1.0), axis=1)
 
 
+def expected_rate(candidates: Sequence[Candidate], drafts: Sequence[int], costs: StepCosts, other_tokens: int = 0,
+                  context: int = 0, factors: Sequence[float] | None = None) -> float:
+    """Expected committed tokens per second of a step with these ``K_i``."""
+    k = max(max(drafts, default=0), 1)
+    reach = _reach_matrix(candidates, k)
+    gains = np.concatenate([np.zeros((len(candidates), 1)), np.cumsum(reach, axis=1)], axis=1)
+    factors = None if factors is None else np.asarray(factors, dtype=np.float64)
+    return float(_rates(np.asarray([drafts], dtype=np.int64), gains, costs, other_tokens, context, factors)[0])
+
+
 def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens: int,
-           context: int = 0) -> np.ndarray:
+           context: int = 0, factors: np.ndarray | None = None) -> np.ndarray:
     """Expected committed tokens per second of each row of ``drafts``
     (``[choice, request]``)."""
     n = drafts.shape[1]
@@ -152,11 +165,13 @@ def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens
     seconds = np.where(ticks > 0,
                        s + c_k * ticks + c_r * ticks * (drafts > 0).sum(axis=1) + t * tokens + x_s * context,
                        costs.plain[0] + costs.plain[1] * tokens + x_p * context)
+    if factors is not None:
+        seconds = seconds * factors[ticks]
     return committed / np.maximum(seconds, 1e-9)
 
 
 def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepCosts,
-          other_tokens: int, context: int = 0) -> np.ndarray:
+          other_tokens: int, context: int = 0, factors: np.ndarray | None = None) -> np.ndarray:
     """Drop drafts that cost more than they bring at the step's rate: a tail
     draft worth ``reach`` tokens costs its verification ``t_s``; a row's
     whole share costs ``c_r`` per draft tick (every drafting row runs every
@@ -166,10 +181,11 @@ def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepC
     _, _, per_row_tick, per_token = (max(c, 0.0) for c in costs.spec)
     rows = np.arange(drafts.shape[1])[None, :]
     for _ in range(3):
-        rate = _rates(drafts, gains, costs, other_tokens, context)[:, None]
-        worth = (reach[None, :, :] >= rate[:, :, None] * per_token).sum(axis=2)
+        rate = _rates(drafts, gains, costs, other_tokens, context, factors)[:, None]
+        scale = 1.0 if factors is None else factors[drafts.max(axis=1)][:, None]
+        worth = (reach[None, :, :] >= (rate * scale * per_token)[:, :, None]).sum(axis=2)
         kept = np.minimum(drafts, worth)
-        row_cost = per_row_tick * kept.max(axis=1, keepdims=True) + per_token * kept
+        row_cost = scale * (per_row_tick * kept.max(axis=1, keepdims=True) + per_token * kept)
         kept = np.where(gains[rows, kept] < rate * row_cost, 0, kept)
         if (kept == drafts).all():
             break
