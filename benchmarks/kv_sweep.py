@@ -168,10 +168,11 @@ def policy_snapshot(llm) -> dict:
         key = f"{record.reason} K{max(record.drafts, default=0)}"
         decisions[key] = decisions.get(key, 0) + 1
     costs = controller.costs
-    rates = {f"width bucket {bucket} mix {mix}": {f"K{k}": [round(r.value, 1), r.samples] for k, r in sorted(by_k.items())}
-             for (bucket, mix), by_k in sorted(controller._rates.items())}
+    factors = {f"width bucket {bucket} mix {mix}": {f"K{k}": [round(r.value, 3), r.samples]
+                                                    for k, r in sorted(by_k.items())}
+               for (bucket, mix), by_k in sorted(getattr(controller, "_ratios", {}).items())}
     return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec, "context": costs.context},
-            "measured_rates": rates,
+            "time_factors (measured/predicted, samples)": factors,
             "armed": controller.armed, "cap": controller.cap, "decisions_in_last_4096_steps": decisions}
 
 
