@@ -481,9 +481,19 @@ def adaptive_section(rec: dict) -> list[str]:
         lines += ["Policy state after the sweep (fitted seconds per step; decisions of its last 4096 steps):", ""]
         for name, pol in policies.items():
             costs = pol["costs"] or {}
+            context = costs.get("context")
             lines.append(f"- {name}: plain {[round(x * 1e3, 3) for x in costs.get('plain', [])]} ms, round "
                          f"{[round(x * 1e3, 3) for x in costs.get('spec', [])]} ms (s, per tick, per row·tick, "
-                         f"per token); {pol['decisions_in_last_4096_steps']}")
+                         "per token)"
+                         + (f", per 1000 context tokens {[round(x * 1e6, 3) for x in context]} ms (plain, round)"
+                            if context else "")
+                         + f"; {pol['decisions_in_last_4096_steps']}")
+            factors = pol.get("time_factors (measured/predicted, samples)")
+            if factors:
+                lines.append("  - measured/predicted step time (samples) by width bucket and sampling mix "
+                             "(0 greedy, 1 mixed, 2 sampled): "
+                             + "; ".join(f"{key}: " + ", ".join(f"{k} {v[0]} ({v[1]})" for k, v in by_k.items())
+                                         for key, by_k in factors.items()))
         lines.append("")
     return lines
 
