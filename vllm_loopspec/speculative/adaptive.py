@@ -276,10 +276,6 @@ class AdaptiveController:
             drafts = self._warmup(requests)
             self._record(width, drafts, "warmup")
             return drafts, skipped
-        # (Disarmed, a probe step asks the policy: if speculation pays again
-        # at this width it re-arms, otherwise the step is a round that
-        # measures what a round delivers this wide, and the next probe waits
-        # twice as long.)
         key = (width_bucket(width), sampling_mix([sampled for _, sampled, _ in requests]))
         probes = []
         candidates = []
@@ -295,11 +291,12 @@ class AdaptiveController:
         reason = "policy"
         measured_loss = decision.plain and not decide(candidates, self.costs, self.max_k, other_tokens, context).plain
         if not self.armed:
-            if decision.plain or measured_loss:
-                # Stay disarmed; measure a round of this width: the policy's
-                # own drafts where it wanted to speculate, else one draft.
-                if decision.plain:
-                    drafts = [min(1, c.max_drafts) for c in candidates]
+            # A probe step: if speculation pays again at this width it
+            # re-arms; otherwise the step is a one-draft round that measures
+            # what a round costs this wide, and the next probe waits twice
+            # as long.
+            if decision.plain:
+                drafts = [min(1, c.max_drafts) for c in candidates]
                 self._probe_interval = min(2 * self._probe_interval, CAP_PROBE_BACKOFF[1])
                 self._next_probe = self.step + self._probe_interval
                 self._record(width, drafts, "explore")
