@@ -261,13 +261,16 @@ class LoopSpecDrafter:
         if self._step_shape is None:
             return
         self._step_end = time.perf_counter()
-        requests = self.runner.requests
-        mix = sampling_mix([bool(requests[r].sampling_params and requests[r].sampling_params.temperature > 0)
-                            for r in self._step_scheduled if r in requests])
+        mix = self._sampling_mix() if self._step_width else 0  # only decode-only steps feed the correction
         self.controller.observe_step(*self._step_shape, self._step_end - self._step_start,
                                      width=self._step_width, committed=self._step_committed,
                                      context=self._step_context, mix=mix)
         self._step_shape = None
+
+    def _sampling_mix(self) -> int:
+        requests = self.runner.requests
+        return sampling_mix([bool(requests[r].sampling_params and requests[r].sampling_params.temperature > 0)
+                             for r in self._step_scheduled if r in requests])
 
     def _count_acceptance(self, sampled_token_ids) -> None:
         """Per-engine acceptance per draft position (vLLM's own counters are

@@ -1,0 +1,51 @@
+"""What the in-process issue-13 probes share: the environment (set before
+vLLM is imported), the bundled checkpoint and prompts, one engine shape,
+and a timer of each engine step (``execute_model`` to the end of
+``sample_tokens``, as the adaptive policy times it)."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINT = str(ROOT / "checkpoints" / "ouro-stdlib")
+ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=False, seed=0,
+                   max_num_seqs=16, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
+
+
+def load_prompts(name: str) -> list[str]:
+    lines = (ROOT / "benchmarks" / "prompts" / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(line)["prompt"] for line in lines if line.strip()]
+
+
+def time_steps(runner, samples: list) -> None:
+    """Append ``(speculative?, scheduled tokens, seconds)`` to ``samples``
+    for every step ``runner`` runs from now on."""
+    execute, sample = runner.execute_model, runner.sample_tokens
+    step = {}
+
+    def timed_execute(scheduler_output, *args, **kwargs):
+        step.update(t=time.perf_counter(), spec=bool(scheduler_output.scheduled_spec_decode_tokens),
+                    n=scheduler_output.total_num_scheduled_tokens)
+        return execute(scheduler_output, *args, **kwargs)
+
+    def timed_sample(*args, **kwargs):
+        out = sample(*args, **kwargs)
+        samples.append((step["spec"], step["n"], time.perf_counter() - step["t"]))
+        return out
+
+    runner.execute_model, runner.sample_tokens = timed_execute, timed_sample
+
+
+def median_ms(samples, spec: bool, tokens: int | None = None):
+    """(median ms, count) of the speculative or plain steps, plain ones of
+    ``tokens`` scheduled tokens when given."""
+    import numpy as np
+
+    ms = [s * 1e3 for is_spec, n, s in samples if is_spec == spec and (tokens is None or n == tokens)]
+    return (round(float(np.median(ms)), 2) if ms else None), len(ms)
