@@ -171,8 +171,11 @@ def policy_snapshot(llm) -> dict:
     factors = {f"width bucket {bucket} mix {mix}": {f"K{k}": [round(r.value, 3), r.samples]
                                                     for k, r in sorted(by_k.items())}
                for (bucket, mix), by_k in sorted(getattr(controller, "_ratios", {}).items())}
+    calibration = {("sampled" if mode else "greedy"): [round(float(r), 3) for r in c.ratios()]
+                   for mode, c in getattr(controller, "_calibration", {}).items()}
     return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec, "context": costs.context},
             "time_factors (measured/predicted, samples)": factors,
+            "acceptance calibration (accepted/estimated, by position)": calibration,
             "armed": controller.armed, "cap": controller.cap, "decisions_in_last_4096_steps": decisions}
 
 

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -449,10 +450,12 @@ def adaptive_section(rec: dict) -> list[str]:
              f"engines: {rec['engine']}; load average when written {fmt(rec['machine_load'][1], 1)}). "
              "Per cell (setting, temperature, concurrency): median committed tok/s of native, of the "
              "adaptive policy at each d, and of the best fixed (d, K); `vs native` and `vs best fixed` are "
-             "ratios of medians; IQR/median in brackets.", "",
-             "| cell | c | native tok/s | adaptive d1 | d2 | d3 | best adaptive vs native | best fixed (d, K) "
-             "| best adaptive vs best fixed |", "|---|---|---|---|---|---|---|---|---|"]
-    ok_native = ok_best = cells = 0
+             "ratios of medians. `paired` columns: the median over repeats of the same ratio within each "
+             "repeat (every arm of a repeat decodes the same prompts, so prompt difficulty, which changes "
+             "between repeats, cancels).", "",
+             "| cell | c | native tok/s | adaptive d1 | d2 | d3 | best adaptive vs native (paired) "
+             "| best fixed (d, K) | best adaptive vs best fixed (paired) |", "|---|---|---|---|---|---|---|---|---|"]
+    ok_native = ok_best = cells = paired_native = paired_best = 0
     for cell, by_c in rec["results"].items():
         for c, row in by_c.items():
             native = row["native"]["median_tokens_per_s"]
@@ -467,15 +470,22 @@ def adaptive_section(rec: dict) -> list[str]:
             cells += 1
             ok_native += a >= 0.97 * native
             ok_best += a >= 0.95 * f
+            raw = rec.get("raw", {}).get(cell, {}).get(c, {})
+            vs_native = paired_ratio(raw, best_adaptive, "native")
+            vs_fixed = paired_ratio(raw, best_adaptive, best_fixed)
+            paired_native += vs_native is not None and vs_native >= 0.97
+            paired_best += vs_fixed is not None and vs_fixed >= 0.95
             per_d = [fmt(adaptive[n]["median_tokens_per_s"], 0) if n in adaptive else "–"
                      for n in (f"loopspec d{d} adaptive" for d in (1, 2, 3))]
             lines.append(f"| {cell} | {c} | {fmt(native, 0)} | {' | '.join(per_d)} | **{fmt(a / native)}×** "
-                         f"| {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} | {fmt(a / f)}× |")
+                         f"({fmt(vs_native)}×) | {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} "
+                         f"| {fmt(a / f)}× ({fmt(vs_fixed)}×) |")
     per_d = per_depth_counts(rec)
     lines += ["", f"At its best d: adaptive ≥ 0.97× native in {ok_native} of {cells} cells; within 5% of the "
               f"best fixed (d, K) in {ok_best} of {cells} cells. At each d (cell × d, against the fixed K of "
               f"the same d): ≥ 0.97× native in {per_d['native']} of {per_d['cells']}; within 5% of the best "
-              f"fixed K in {per_d['best']} of {per_d['cells']}.", ""]
+              f"fixed K in {per_d['best']} of {per_d['cells']}. Paired within repeats: ≥ 0.97× native in "
+              f"{paired_native} of {cells}; within 5% of the best fixed (d, K) in {paired_best} of {cells}.", ""]
     policies = rec.get("adaptive_policies", {})
     if policies:
         lines += ["Policy state after the sweep (fitted seconds per step; decisions of its last 4096 steps):", ""]
@@ -494,8 +504,22 @@ def adaptive_section(rec: dict) -> list[str]:
                              "(0 greedy, 1 mixed, 2 sampled): "
                              + "; ".join(f"{key}: " + ", ".join(f"{k} {v[0]} ({v[1]})" for k, v in by_k.items())
                                          for key, by_k in factors.items()))
+            calibration = pol.get("acceptance calibration (accepted/estimated, by position)")
+            if calibration:
+                lines.append("  - acceptance calibration (accepted/estimated, by draft position): "
+                             + "; ".join(f"{mode} {ratios}" for mode, ratios in calibration.items()))
         lines.append("")
     return lines
+
+
+def paired_ratio(raw: dict, arm: str, baseline: str) -> float | None:
+    """Median over repeats of ``arm``'s tok/s over ``baseline``'s in the
+    same repeat (None without raw trials)."""
+    a, b = raw.get(arm), raw.get(baseline)
+    if not a or not b:
+        return None
+    ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b) if y["tokens_per_s"]]
+    return float(np.median(ratios)) if ratios else None
 
 
 def per_depth_counts(rec: dict) -> dict:

@@ -216,8 +216,8 @@ def test_measured_time_turns_a_losing_speculation_plain():
 
     c = AdaptiveController(max_k=8, start_k=4)
     reqs = [(f"r{i}", False, 8) for i in range(4)]
-    acceptance = {r: 0.8 for r, _, _ in reqs}
-    assert not decide([Candidate((0.8,) * 8, 8)] * 4, CPU_LIKE, 8).plain
+    acceptance = {r: 0.9 for r, _, _ in reqs}
+    assert not decide([Candidate((0.9,) * 8, 8)] * 4, CPU_LIKE, 8, margin=0.25).plain
     history = drive_with_wrong_model(c, reqs, CPU_LIKE, TrueCosts(CPU_LIKE, spec=lambda k: 3.0), acceptance, 300)
     factors = c.measured_factors(4)
     assert factors[0] == pytest.approx(1.0, rel=0.05) and all(f == pytest.approx(3.0, rel=0.05)
@@ -321,3 +321,80 @@ def test_fit_separates_context_from_the_intercept():
         assert c.costs.plain_step(width, context) == pytest.approx(truth.plain_step(width, context), rel=0.1)
         assert c.costs.spec_step(2, width, 3 * width, context) == pytest.approx(
             truth.spec_step(2, width, 3 * width, context), rel=0.1)
+
+
+def test_acceptance_calibration_scales_estimates_to_what_rounds_accept():
+    """Drafts tested where their estimates said 0.9 but half were accepted:
+    the calibration ratio is 0.56 at the tested positions and, for a
+    position tested too rarely, that of the nearest shallower one. The
+    policy decides with calibrated estimates: a request whose own estimate
+    says 0.9 is not drafted for when rounds really accept a third of that."""
+    from vllm_loopspec.speculative.adaptive import CALIBRATION_MIN_DRAFTS, _Calibration
+
+    cal = _Calibration.empty(4)
+    for _ in range(int(CALIBRATION_MIN_DRAFTS) - 2):
+        cal.update(np.full(3, 0.9), np.array([1.0, 1.0, 1.0]))
+    for i in range(800):
+        cal.update(np.full(2, 0.9), np.array([i % 2, (i + 1) % 2], dtype=np.float64))
+    ratios = cal.ratios()
+    assert ratios[:2] == pytest.approx([0.5 / 0.9] * 2, rel=0.05)
+    assert ratios[2] == ratios[1] and ratios[3] == ratios[1]  # too rarely tested / never
+
+    def decision(calibrated: bool):
+        c = AdaptiveController(max_k=8, start_k=4)
+        c.costs = CPU_LIKE
+        c._refit = lambda: None
+        state = c._request("a", False)
+        state.acceptance.values[:] = 0.9
+        state.acceptance.seen[:] = 10
+        if calibrated:
+            for _ in range(200):
+                c._calibration[False].update(np.full(8, 0.9), np.full(8, 0.3))
+        return c.plan([("a", False, 8)])[0]
+
+    assert decision(False)[0] > 0 and decision(True) == [0]
+
+
+def test_calibration_leaves_estimates_that_hold_alone():
+    c = AdaptiveController(max_k=8, start_k=4)
+    reqs = [(f"r{i}", False, 8) for i in range(2)]
+    drive(c, reqs, CPU_LIKE, {r: 0.8 for r, _, _ in reqs}, 800, np.random.default_rng(9))
+    ratios = c._calibration[False].ratios()
+    assert np.allclose(ratios[:3], 1.0, atol=0.1), ratios
+
+
+def test_a_new_width_that_neighbours_price_plain_is_not_explored_with_rounds():
+    """Rounds were measured to lose at widths 9-16 (3x dearer than the
+    model says); a batch that grows to 17 is priced with those factors and
+    decodes plainly from its first step, without exploration rounds."""
+    c = AdaptiveController(max_k=8, start_k=4)
+    wide = [(f"w{i}", False, 8) for i in range(12)]
+    truth = TrueCosts(CPU_LIKE, spec=lambda k: 3.0)
+    drive_with_wrong_model(c, wide, CPU_LIKE, truth, {r: 0.8 for r, _, _ in wide}, 300)
+    assert not c.armed
+    grown = wide + [(f"n{i}", True, 8) for i in range(5)]
+    c.armed, c.cap = True, None  # as if the batch had narrowed and re-armed in between
+    history = drive(c, grown, truth, {r: 0.8 for r, _, _ in grown}, 40, np.random.default_rng(10))
+    assert sum(any(d) for d, _, _ in history) <= 2, [d for d, _, _ in history if any(d)]
+
+
+def test_a_round_within_the_margin_of_the_plain_step_is_not_chosen():
+    """Where a round is expected to beat the plain step by less than the
+    margin, the plain step is chosen; a clear gain still speculates."""
+    close = [Candidate((0.8,) * 8, 8)] * 4
+    gain = decide(close, CPU_LIKE, 8)
+    assert not gain.plain and 1.0 < gain.rate / gain.plain_rate < 1.2
+    assert decide(close, CPU_LIKE, 8, margin=0.2).plain
+    assert not decide([Candidate(HIGH, 8)] * 4, CPU_LIKE, 8, margin=0.2).plain
+
+
+def test_under_the_width_cap_steps_are_held_plain_without_a_decision():
+    """holds_plain: the engine's fast path under the cap (no policy work);
+    each held step counts as a width_cap step, a probe step is left to
+    plan(), and a batch narrowed to the re-arm width re-arms."""
+    c = AdaptiveController(max_k=8, start_k=4)
+    c.armed, c.cap, c._next_probe = False, 16, 5
+    held = [c.holds_plain(16) for _ in range(6)]
+    assert held == [True, True, True, True, False, False]
+    assert [r.reason for r in c.history] == ["width_cap"] * 4
+    assert not c.holds_plain(12) and c.armed  # rearm_width(16) == 12

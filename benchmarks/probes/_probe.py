@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 ROOT = Path(__file__).resolve().parents[2]

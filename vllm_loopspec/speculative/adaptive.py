@@ -59,7 +59,11 @@ REQUEST_WEIGHT = 0.1
 ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
-EXPLORE_EVERY = 8  # steps
+EXPLORE_EVERY = 16  # steps
+# A round must be expected to beat the plain step by this share: where the
+# two are within the estimates' error, the plain step (vLLM's own, compiled,
+# no bookkeeping) is the safer choice.
+SPECULATION_MARGIN = 0.05
 # Exploring toward a draft count measured below this share of the best
 # measured one happens one exploration turn in EXPLORE_POOR_EVERY.
 EXPLORE_POOR_SHARE = 0.85
@@ -68,7 +72,7 @@ DISARM_AFTER = 4  # consecutive plain decisions
 REFIT_EVERY = 16  # new samples
 SAMPLE_WINDOW = 512
 PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
-CAP_PROBE_BACKOFF = (2 * EXPLORE_EVERY, 256)  # steps between width-cap probes: first, longest
+CAP_PROBE_BACKOFF = (4 * EXPLORE_EVERY, 512)  # steps between width-cap probes: first, longest (a probe round costs several plain steps)
 CONTEXT_BUCKET = 64  # tokens: step contexts closer than this are one shape of the fit
 
 # Reasons a request decodes one token without drafting (metrics labels).
@@ -80,8 +84,13 @@ SKIP_MEASURED = "measured_rate"
 # The measured-rate guard: weight of a new step's rate once a bucket has this
 # many samples (a running mean before), and samples both kinds of step need
 # at a width before the guard speaks.
+ACCEPTANCE_EVIDENCE = 32  # rounds of a sampling mode before its estimate is trusted to say "plain"
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
+# Acceptance calibration: decay per tested draft, and the tested drafts a
+# position needs before its own ratio is used.
+CALIBRATION_WEIGHT = 0.01
+CALIBRATION_MIN_DRAFTS = 48.0
 
 
 @dataclass
@@ -124,6 +133,41 @@ class _Ratio:
     def update(self, ratio: float) -> None:
         self.samples += 1
         self.value += max(1.0 / self.samples, GUARD_WEIGHT) * (ratio - self.value)
+
+
+@dataclass
+class _Calibration:
+    """Accepted over estimated drafts per position, over every tested draft
+    of one sampling mode (decayed sums). A request's estimate is read where
+    the policy chose to draft, which is where it was high, and a position
+    never tested reads as the last tested one; so the estimates of deeper
+    positions run optimistic. Scaling them by this ratio brings them to what
+    rounds really accept. A position tested too rarely takes the ratio of
+    the nearest shallower one that was."""
+
+    accepted: np.ndarray
+    estimated: np.ndarray
+    drafts: np.ndarray
+
+    @classmethod
+    def empty(cls, k: int) -> "_Calibration":
+        return cls(np.zeros(k), np.zeros(k), np.zeros(k))
+
+    def update(self, estimate: np.ndarray, outcome: np.ndarray) -> None:
+        n = len(outcome)
+        keep = 1.0 - CALIBRATION_WEIGHT
+        self.accepted[:n] = keep * self.accepted[:n] + outcome
+        self.estimated[:n] = keep * self.estimated[:n] + estimate[:n]
+        self.drafts[:n] = keep * self.drafts[:n] + 1.0
+
+    def ratios(self) -> np.ndarray:
+        out = np.ones(len(self.accepted))
+        for j in range(len(out)):
+            if self.drafts[j] >= CALIBRATION_MIN_DRAFTS and self.estimated[j] > 0:
+                out[j] = self.accepted[j] / self.estimated[j]
+            elif j:
+                out[j] = out[j - 1]
+        return out
 
 
 def width_bucket(width: int) -> int:
@@ -170,6 +214,7 @@ class AdaptiveController:
     def __post_init__(self) -> None:
         self._requests: dict[str, _RequestState] = {}
         self._engine_acceptance = {mode: _Estimate.prior(self.max_k) for mode in (False, True)}
+        self._calibration = {mode: _Calibration.empty(self.max_k) for mode in (False, True)}
         self._plain: deque = deque(maxlen=SAMPLE_WINDOW)  # (tokens, context, seconds)
         self._spec: deque = deque(maxlen=SAMPLE_WINDOW)  # (ticks, spec_rows, tokens, context, seconds)
         # Time between a step's end and the next step's start (scheduler,
@@ -184,6 +229,7 @@ class AdaptiveController:
         self._ratios: dict[tuple[int, int], dict[int, _Ratio]] = {}
         self._probe_interval = CAP_PROBE_BACKOFF[0]
         self._next_probe = 0
+        self._plain_reason: str | None = None  # of the current run of plain decisions
 
     # -- measurements -------------------------------------------------------------
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
@@ -193,6 +239,7 @@ class AdaptiveController:
         outcome = (np.arange(tested) < num_accepted).astype(np.float64)
         self._engine_acceptance[sampled].update(outcome, ENGINE_WEIGHT)
         state = self._request(req_id, sampled)
+        self._calibration[sampled].update(np.asarray(state.acceptance.read()), outcome)
         state.acceptance.update(outcome, REQUEST_WEIGHT)
         if state.probing:
             state.probing = False
@@ -258,18 +305,13 @@ class AdaptiveController:
         """``K_i`` for ``(req_id, sampled, max_drafts)`` of the next step, and
         request-steps without drafts counted by reason. ``context``: the
         lengths of the step's rows, summed."""
-        self.step += 1
         width = len(requests)
+        if self.holds_plain(width):
+            return [0] * width, {SKIP_WIDTH_CAP: width}
+        self.step += 1
         skipped: dict[str, int] = {}
         if not requests:
             return [], skipped
-        if not self.armed and width <= rearm_width(self.cap):
-            self.armed, self.cap = True, None
-        if not self.armed and self.step < self._next_probe:
-            skipped[SKIP_WIDTH_CAP] = width
-            drafts = [0] * width
-            self._record(width, drafts, "width_cap")
-            return drafts, skipped
         if self._new_samples >= REFIT_EVERY or self.costs is None:
             self._refit()  # here, not per sample: plain steps under the width cap fit nothing
         if self.costs is None:
@@ -279,17 +321,28 @@ class AdaptiveController:
         key = (width_bucket(width), sampling_mix([sampled for _, sampled, _ in requests]))
         probes = []
         candidates = []
+        calibration = {mode: c.ratios() for mode, c in self._calibration.items()}
         for req_id, sampled, limit in requests:
             state = self._request(req_id, sampled)
             paused = state.paused_until > self.step
             probe = not paused and state.paused_until >= 0 and limit > 0
             probes.append(probe)
-            candidates.append(Candidate(state.acceptance.read(), 0 if paused or probe else limit))
-        factors = self.time_factors(key)
-        decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors)
+            acceptance = np.minimum(np.asarray(state.acceptance.read()) * calibration[sampled], 1.0)
+            # A request whose pause is over is a full candidate (the policy
+            # may give it drafts again); below, it drafts at least one.
+            candidates.append(Candidate(tuple(acceptance), 0 if paused else limit))
+        factors, rounds_measured = self._factors(key)
+        unproven = any(self._engine_acceptance[sampled].seen[0] < ACCEPTANCE_EVIDENCE for _, sampled, _ in requests)
+        decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN)
         drafts = list(decision.drafts)
         reason = "policy"
-        measured_loss = decision.plain and not decide(candidates, self.costs, self.max_k, other_tokens, context).plain
+        if decision.plain and (self.plain_streak < DISARM_AFTER or self.plain_streak % EXPLORE_EVERY == 0):
+            # Whether the plain steps are the measurement's doing: decided
+            # again only now and then in a long run of plain decisions (a
+            # second decision costs as much as the first).
+            uncorrected = decide(candidates, self.costs, self.max_k, other_tokens, context, margin=SPECULATION_MARGIN)
+            self._plain_reason = SKIP_MEASURED if not uncorrected.plain else None
+        measured_loss = decision.plain and self._plain_reason == SKIP_MEASURED
         if not self.armed:
             # A probe step: if speculation pays again at this width it
             # re-arms; otherwise the step is a one-draft round that measures
@@ -307,18 +360,30 @@ class AdaptiveController:
         eligible = any(c.max_drafts for c in candidates)
         plain = not any(drafts)
         self.plain_streak = self.plain_streak + 1 if plain and eligible else 0
-        # Disarm only where rounds have been measured at this width and mix:
-        # a model extrapolating to a width it has not seen rounds at must not
-        # switch speculation off there before exploration has measured one.
-        if self.plain_streak >= DISARM_AFTER and any(k for k in self._measured(key)):
+        limits = [c.max_drafts for c in candidates]
+        own = self._measured(key)
+        young = any(limits) and (not decision.plain or unproven or not rounds_measured
+                                 or (any(k for k in own) and 1 not in own))
+        unmeasured = self._unmeasured(key, {0, 1, max(decision.drafts)}) if young else []
+        # Disarm only where rounds have been measured at this width and mix
+        # or at the neighbour whose factors priced them, and the acceptance
+        # that says "plain" rests on rounds, not on the prior: a fit
+        # extrapolating to widths with no measured rounds near must not
+        # switch speculation off before exploration has measured one.
+        # Nor while this width's first measurements are still being made.
+        if (self.plain_streak >= DISARM_AFTER and rounds_measured and not unproven and not unmeasured
+                and self._typical_batch_plain(requests, calibration, factors, other_tokens, context)):
             self.armed, self.cap, self.plain_streak = False, width, 0
             self._probe_interval = CAP_PROBE_BACKOFF[0]
             self._next_probe = self.step + self._probe_interval
-        limits = [c.max_drafts for c in candidates]
-        unmeasured = self._unmeasured(key, {0, 1, max(decision.drafts)}) if any(limits) else []
         if unmeasured and self.step % (EXPLORE_EVERY // 2) == 0:
             # A width and mix seen first: measure plain steps, one-draft
-            # rounds and the model's choice before trusting either.
+            # rounds and the model's choice before trusting it. Where it
+            # wants plain steps, priced with round factors measured at a
+            # neighbouring width, they are vLLM's own and need no check
+            # (a batch that just grew decodes plainly at once), unless the
+            # acceptance is still mostly the prior or only longer rounds
+            # were measured here.
             drafts, reason = [min(unmeasured[0], limit) for limit in limits], "explore"
         elif self.step % EXPLORE_EVERY == 0:
             explored = self._explore(drafts, candidates, key, decision.rate, other_tokens, context)
@@ -327,7 +392,7 @@ class AdaptiveController:
         for i, (req_id, _, limit) in enumerate(requests):
             state = self._requests[req_id]
             if probes[i]:
-                drafts[i] = 1  # re-probe a paused request with one draft
+                drafts[i] = max(drafts[i], min(1, limit))  # re-probe a paused request: one draft at least
                 state.paused_until = -1
                 state.probing = True
             elif state.paused_until > self.step:
@@ -342,19 +407,59 @@ class AdaptiveController:
         self._record(width, drafts, reason)
         return drafts, skipped
 
-    def time_factors(self, key: tuple[int, int]) -> np.ndarray:
+    def _typical_batch_plain(self, requests, calibration, factors, other_tokens: int, context: int) -> bool:
+        """Whether a batch of this width and mix would decode plainly with
+        the engine-wide acceptance: the width cap is a property of the
+        width, not of the current requests (whose estimates dip and
+        recover; they are paused one by one instead)."""
+        typical = [Candidate(tuple(np.minimum(np.asarray(self._engine_acceptance[sampled].read())
+                                              * calibration[sampled], 1.0)), limit)
+                   for _, sampled, limit in requests]
+        return decide(typical, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN).plain
+
+    def holds_plain(self, width: int) -> bool:
+        """Whether the next step of ``width`` requests is a plain step under
+        the width cap (counted as one, no decision needed); re-arms first
+        if the batch has narrowed to the re-arm width."""
+        if not width or self.armed:
+            return False
+        if width <= rearm_width(self.cap):
+            self.armed, self.cap = True, None
+            return False
+        if self.step + 1 >= self._next_probe:
+            return False  # a probe step: plan() decides it
+        self.step += 1
+        self._record(width, [0] * width, "width_cap")
+        return True
+
+    def _factors(self, key: tuple[int, int]) -> tuple[np.ndarray, bool]:
         """Per draft count ``0..max_k``: measured over predicted step time at
-        ``key`` (width bucket, sampling mix). A draft count measured too
+        ``key`` (width bucket, sampling mix), and whether any round factor
+        was measured (here or at a neighbour). A draft count measured too
         rarely takes the factor of the nearest measured one of its kind
-        (rounds from rounds; plain steps only from plain steps), else 1."""
-        measured = self._measured(key)
-        spec = sorted(k for k in measured if k)
+        (rounds from rounds; plain steps only from plain steps). A kind not
+        measured at ``key`` at all is taken from the same width bucket's
+        other mixes, then from an adjacent bucket (a batch that just grew
+        is priced as its neighbours were, not as the raw fit); else 1.
+        Buckets further away are not used: the fit's error changes with
+        the width."""
+        nearest = sorted((k for k in self._ratios if abs(k[0] - key[0]) <= 1),
+                         key=lambda k: (abs(k[0] - key[0]), k[1] != key[1], k))
+        measured_at = [self._measured(k) for k in ([key] + [k for k in nearest if k != key])]
+        plain = next((m[0] for m in measured_at if 0 in m), 1.0)
+        rounds = next(({k: f for k, f in m.items() if k} for m in measured_at if any(k for k in m)), {})
         factors = np.ones(self.max_k + 1)
-        factors[0] = measured.get(0, 1.0)
+        factors[0] = plain
+        spec = sorted(rounds)
         for k in range(1, self.max_k + 1):
             if spec:
-                factors[k] = measured[min(spec, key=lambda j: (abs(j - k), j))]
-        return factors
+                factors[k] = rounds[min(spec, key=lambda j: (abs(j - k), j))]
+        return factors, bool(rounds)
+
+    def time_factors(self, key: tuple[int, int]) -> np.ndarray:
+        """Per draft count ``0..max_k``: measured over predicted step time at
+        ``key`` (see :meth:`_factors`)."""
+        return self._factors(key)[0]
 
     def measured_factors(self, width: int, mix: int = GREEDY) -> dict[int, float]:
         """The factors measured enough at this width and mix, by draft count."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_loopspec.speculative.adaptive import AdaptiveController, sampling_mix
+from vllm_loopspec.speculative.adaptive import SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan
 from vllm_loopspec.speculative.round import RoundOutput, run_round
@@ -188,6 +188,10 @@ class LoopSpecDrafter:
         """The adaptive policy's ``K_i`` within each request's limit."""
         batch = self.runner.input_batch
         decoding = [row for row, k in enumerate(limits) if k is not None]
+        if self.controller.holds_plain(len(decoding)):
+            # Under the width cap: a plain step, with no policy work.
+            self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding)
+            return [None if k is None else 0 for k in limits]
         requests = [(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), limits[row]) for row in decoding]
         context = int(batch.num_tokens_no_spec[: len(limits)].sum())
         drafts, skipped = self.controller.plan(requests, context=context)

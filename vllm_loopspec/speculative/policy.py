@@ -80,13 +80,15 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0,
-           context: int = 0, factors: Sequence[float] | None = None) -> Decision:
+           context: int = 0, factors: Sequence[float] | None = None, margin: float = 0.0) -> Decision:
     """``K_i`` per candidate for the next step. ``other_tokens``: scheduled
     tokens that commit nothing this step (prefill chunks); ``context``: the
     step's rows' lengths, summed; ``factors[k]``: measured over predicted
     time of steps with ``k`` draft ticks (0: plain), which scales the
-    prediction. Every number of draft ticks ``1..max_k`` is evaluated at
-    once (one row per choice)."""
+    prediction; ``margin``: how much faster (a share) a round must be
+    expected to be than the plain step to be chosen, a hedge against the
+    estimates' error where the two are close. Every number of draft ticks
+    ``1..max_k`` is evaluated at once (one row per choice)."""
     n = len(candidates)
     factors = np.ones(max_k + 1) if factors is None else np.asarray(factors, dtype=np.float64)
     plain_rate = n / max(costs.plain_step(n + other_tokens, context) * factors[0], 1e-9)
@@ -100,7 +102,7 @@ def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_
     drafts = _trim(drafts, reach, gains, costs, other_tokens, context, factors)
     rates = _rates(drafts, gains, costs, other_tokens, context, factors)
     best = int(np.argmax(rates))
-    if rates[best] <= plain_rate or not drafts[best].any():
+    if rates[best] <= plain_rate * (1.0 + margin) or not drafts[best].any():
         return plain
     return Decision(tuple(int(x) for x in drafts[best]), float(rates[best]), plain_rate)
 

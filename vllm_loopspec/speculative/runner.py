@@ -146,8 +146,22 @@ class LoopSpecRunnerMixin:
         self.drafter.step_finished()
         return out
 
-    def _prepare_inputs(self, *args, **kwargs):
-        out = super()._prepare_inputs(*args, **kwargs)
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        if not scheduler_output.scheduled_spec_decode_tokens and not self.use_async_scheduling:
+            # A step without drafts takes vLLM's own plain branch of
+            # GPUModelRunner._prepare_inputs (its only read of
+            # speculative_config) instead of building all-zero spec metadata
+            # that is dropped below: under the width cap every step is such
+            # a step, and the speculative branch's host work is a few
+            # percent of a narrow CPU step.
+            config, self.speculative_config = self.speculative_config, None
+            try:
+                out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = config
+            self._loopspec_spec_metadata = None
+            return out
+        out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
         spec_metadata = out[1]
         if spec_metadata is not None and sum(spec_metadata.num_draft_tokens) == 0:
             # vLLM builds spec metadata for every step of a speculative
