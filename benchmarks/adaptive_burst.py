@@ -146,6 +146,8 @@ def main() -> None:
                      "burst_temperature": 0.8, "burst_after_s": args.burst_after},
         "vllm": vllm.__version__, "torch": torch.__version__, "cores": os.cpu_count(),
         "machine_load": list(os.getloadavg()), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        # PASSIVE makes this machine's steps 2-4x slower in one process: record it.
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),
         "summary": summary, "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -300,6 +300,8 @@ def main() -> None:
         "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
                   + ("compiled (vLLM's default mode)" if args.compiled else "enforce_eager"),
         "machine_load": machine_load(),
+        # PASSIVE makes this machine's steps 2-4x slower in one process: record it.
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),
         "adaptive_policies": policies,
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),

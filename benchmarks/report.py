@@ -447,7 +447,8 @@ def pd_section(serving: dict | None, transfer: dict | None, descriptors: dict | 
 def adaptive_section(rec: dict) -> list[str]:
     """Adaptive policy against native and every fixed (d, K) of each cell."""
     lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
-             f"engines: {rec['engine']}; load average when written {fmt(rec['machine_load'][1], 1)}). "
+             f"engines: {rec['engine']}; OMP_WAIT_POLICY {rec.get('omp_wait_policy', 'not recorded')}; "
+             f"load average when written {fmt(rec['machine_load'][1], 1)}). "
              "Per cell (setting, temperature, concurrency): median committed tok/s of native, of the "
              "adaptive policy at each d, and of the best fixed (d, K); `vs native` and `vs best fixed` are "
              "ratios of medians. `paired` columns: the median over repeats of the same ratio within each "
