@@ -4,7 +4,7 @@ leaves, and the greedy request finishes alone.
 
     python benchmarks/adaptive_burst.py [--compiled] [--repeats 3]
 
-The same timeline (arrival after ``--burst-after`` seconds of decoding) runs
+The same timeline (arrival after ``--burst-after-tokens`` tokens of lone decoding) runs
 on a native engine and on a loopspec engine with the adaptive policy, in
 this process, alternating. Recorded per engine step: time, batch width,
 tokens committed, and for loopspec the policy's decision (the largest K_i of
@@ -43,7 +43,10 @@ def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: s
     burst_at = None
     t0 = None
     while engine.has_unfinished_requests():
-        if t0 is not None and burst_at is None and time.perf_counter() - t0 >= args.burst_after:
+        # The burst comes after the greedy request has decoded a set number
+        # of tokens (not seconds: how long that takes depends on the engine
+        # and the machine, and a fast one would finish before the burst).
+        if t0 is not None and burst_at is None and produced.get(f"{tag}-greedy", 0) >= args.burst_after_tokens:
             burst_at = time.perf_counter() - t0
             for i, p in enumerate(burst_prompts):
                 engine.add_request(f"{tag}-burst-{i}", p, SamplingParams(
@@ -107,9 +110,10 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, default=ROOT / "checkpoints" / "ouro-stdlib")
     ap.add_argument("--compiled", action="store_true", help="vLLM's default (compiled) mode for both engines")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--greedy-tokens", type=int, default=600)
+    ap.add_argument("--greedy-tokens", type=int, default=900)
     ap.add_argument("--burst-tokens", type=int, default=96)
-    ap.add_argument("--burst-after", type=float, default=1.5, help="seconds of lone decoding before the burst")
+    ap.add_argument("--burst-after-tokens", type=int, default=200,
+                    help="tokens the greedy request decodes alone before the burst arrives")
     ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_burst.json")
     args = ap.parse_args()
 
@@ -124,7 +128,7 @@ def main() -> None:
     prompts = load_prompts("mixed")
     greedy_prompt, burst = prompts[0], [prompts[(1 + i) % len(prompts)] for i in range(16)]
     for name, llm in engines.items():  # warm-up: shapes, and the policy's cost model
-        run_timeline(llm, argparse.Namespace(**{**vars(args), "greedy_tokens": 200, "burst_after": 0.5}),
+        run_timeline(llm, argparse.Namespace(**{**vars(args), "greedy_tokens": 300, "burst_after_tokens": 100}),
                      greedy_prompt, burst, f"warm-{name}")
     runs = {name: [] for name in engines}
     for rep in range(args.repeats):
@@ -143,7 +147,7 @@ def main() -> None:
         "benchmark": "adaptive_burst", "command": " ".join(["python", *sys.argv]),
         "engine": "in-process vLLM V1, " + ("compiled (default mode)" if args.compiled else "enforce_eager"),
         "workload": {"greedy_tokens": args.greedy_tokens, "burst": 16, "burst_tokens": args.burst_tokens,
-                     "burst_temperature": 0.8, "burst_after_s": args.burst_after},
+                     "burst_temperature": 0.8, "burst_after_tokens": args.burst_after_tokens},
         "vllm": vllm.__version__, "torch": torch.__version__, "cores": os.cpu_count(),
         "machine_load": list(os.getloadavg()), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         # PASSIVE makes this machine's steps 2-4x slower in one process: record it.

@@ -545,8 +545,10 @@ def per_depth_counts(rec: dict) -> dict:
 def burst_section(rec: dict) -> list[str]:
     summary = rec["summary"]
     lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}). One greedy request "
-             f"decodes {rec['workload']['greedy_tokens']} tokens; after {rec['workload']['burst_after_s']} s a "
-             f"burst of {rec['workload']['burst']} sampled requests (T={rec['workload']['burst_temperature']}, "
+             f"decodes {rec['workload']['greedy_tokens']} tokens; "
+             + (f"after its first {rec['workload']['burst_after_tokens']} tokens a "
+                if "burst_after_tokens" in rec["workload"] else f"after {rec['workload'].get('burst_after_s')} s a ")
+             + f"burst of {rec['workload']['burst']} sampled requests (T={rec['workload']['burst_temperature']}, "
              f"{rec['workload']['burst_tokens']} tokens) arrives. Committed tok/s, medians over the repeats:", "",
              "| window | native | adaptive | adaptive vs native |", "|---|---|---|---|"]
     for w in ("before", "burst", "after"):

@@ -3,7 +3,10 @@
 
 * **Acceptance** per request and draft position, an exponentially weighted
   estimate started from the engine-wide estimate of the request's sampling
-  mode (greedy and sampled requests accept differently).
+  mode (greedy and sampled requests accept differently), scaled by a
+  per-position calibration (accepted over estimated drafts, over every
+  round of the mode): estimates are read where the policy chose to draft,
+  where they were high, so deep positions run optimistic.
 * **Step costs**, fitted by least squares from the engine's own step timings
   (model runner from ``execute_model`` to the end of ``sample_tokens``, plus
   the median gap after each kind of step: the scheduler and output handling). Until
@@ -11,10 +14,14 @@
   the configured starting K, cycling through other K and plain steps to
   sample the shapes; afterwards one step in :data:`EXPLORE_EVERY` tries a
   neighbour of the decision, so the fit follows a machine that changes.
+* **Margin**: a round must be expected to beat the plain step by
+  :data:`SPECULATION_MARGIN`; within the estimates' error the plain step,
+  vLLM's own and compiled, is the safer choice.
 * **Width cap** with hysteresis: when the policy has chosen plain steps
-  :data:`DISARM_AFTER` times in a row, the width it did so at becomes the
+  :data:`DISARM_AFTER` times in a row and a batch of this width with the
+  engine-wide acceptance would decode plainly too, the width becomes the
   cap and every step is plain (vLLM's plain step, no rejection sampler, no
-  policy work) until the batch narrows to
+  policy work: :meth:`AdaptiveController.holds_plain`) until the batch narrows to
   :func:`~vllm_loopspec.speculative.policy.rearm_width` of the cap, or a
   periodic probe finds speculation paying again at the current width.
 * **Per-request off switch**: a request the policy gives no drafts for its
@@ -32,8 +39,11 @@
   not delivered tokens: a draft count's tokens per second depend on when
   the policy chose it (high acceptance), its step time does not. A plain
   decision that only the factors produced counts as ``measured_rate``.
-  At a width and mix seen for the first time, plain steps, one-draft rounds
-  and the model's choice are measured first (exploration every
+  A width and mix without factors of its own takes those of the same
+  width's other mixes, then of an adjacent width bucket. At a width and
+  mix seen for the first time, unless the model wants plain steps there
+  with round factors measured nearby, plain steps, one-draft rounds and
+  the model's choice are measured first (exploration every
   ``EXPLORE_EVERY // 2`` steps until each has :data:`GUARD_MIN_SAMPLES`);
   afterwards exploration tries neighbours, rarely where the corrected model
   expects them to lose much, and the width cap's probes back off while they
