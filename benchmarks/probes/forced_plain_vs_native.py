@@ -1,28 +1,39 @@
-"""Issue 13 check: is a loopspec engine whose policy always answers "plain"
-as fast as native? Separates the cost of decisions (rounds explored or
-chosen) from the cost of running a speculative engine at all."""
+"""Issue 13 check: is a loopspec engine that decodes plainly as fast as
+native? Three engines in this process, interleaved: native; loopspec held
+under the width cap (the controller disarmed with a cap below the batch and
+no probe due: every step takes the real fast path, ``holds_plain``); and
+loopspec with the adaptive policy. Separates the cost of running a
+speculative engine at all from the cost of its decisions.
+
+    python benchmarks/probes/forced_plain_vs_native.py [widths ...]
+
+Writes ``benchmarks/results/forced_plain_vs_native.json``."""
+import json
+import os
+import statistics
 import sys
 import time
 
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
+from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts
 
 
 def main():
     from vllm import LLM, SamplingParams
     from vllm_loopspec.engine_internals import model_runner
 
-    widths = [int(a) for a in sys.argv[1:]] or [8]
+    widths = [int(a) for a in sys.argv[1:]] or [4, 16]
     prompts = load_prompts("mixed")
     engines = {"native": LLM(CHECKPOINT, **ENGINE_ARGS)}
-    for name in ("forced plain", "adaptive"):
+    for name in ("held plain", "adaptive"):
         engines[name] = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": 1}, **ENGINE_ARGS)
-    runner = model_runner(engines["forced plain"])
-    runner.drafter.controller.plan = lambda requests, other_tokens=0, context=0: ([0] * len(requests), {})
+    held = model_runner(engines["held plain"]).drafter.controller
+    held.armed, held.cap, held._next_probe = False, 2, 10**12  # rearm_width(2) == 1: every width here stays capped
+    results = {}
     for temperature in (0.8, 0.0):
-        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True, seed=None)
+        params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
         for c in widths:
             rates = {name: [] for name in engines}
-            for rep in range(4):
+            for rep in range(5):
                 batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
                 for name, llm in engines.items():
                     t = time.perf_counter()
@@ -30,7 +41,17 @@ def main():
                     n = sum(len(o.outputs[0].token_ids) for o in out)
                     if rep:  # the first repeat warms every shape
                         rates[name].append(n / (time.perf_counter() - t))
-            print(f"T{temperature} c{c}", {k: sorted(round(x) for x in v) for k, v in rates.items()}, flush=True)
+            paired = {name: statistics.median(a / b for a, b in zip(rates[name], rates["native"]))
+                      for name in engines if name != "native"}
+            results[f"T{temperature} c{c}"] = {"tokens_per_s": rates, "paired_vs_native": paired}
+            print(f"T{temperature} c{c}", {k: round(v, 3) for k, v in paired.items()}, flush=True)
+    out = ROOT / "benchmarks" / "results" / "forced_plain_vs_native.json"
+    out.write_text(json.dumps({
+        "benchmark": "forced_plain_vs_native", "command": " ".join(["python", *sys.argv]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats_timed": 4, "max_tokens": 128,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),
+        "results": results}, indent=1) + "\n")
+    print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,9 @@ DISARM_AFTER = 4  # consecutive plain decisions
 REFIT_EVERY = 16  # new samples
 SAMPLE_WINDOW = 512
 PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
-CAP_PROBE_BACKOFF = (4 * EXPLORE_EVERY, 512)  # steps between width-cap probes: first, longest (a probe round costs several plain steps)
+# Steps between width-cap probes, first and longest: a probe round costs
+# several plain steps.
+CAP_PROBE_BACKOFF = (4 * EXPLORE_EVERY, 512)
 CONTEXT_BUCKET = 64  # tokens: step contexts closer than this are one shape of the fit
 
 # Reasons a request decodes one token without drafting (metrics labels).
@@ -94,9 +96,9 @@ SKIP_MEASURED = "measured_rate"
 # The measured-rate guard: weight of a new step's rate once a bucket has this
 # many samples (a running mean before), and samples both kinds of step need
 # at a width before the guard speaks.
-ACCEPTANCE_EVIDENCE = 32  # rounds of a sampling mode before its estimate is trusted to say "plain"
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
+ACCEPTANCE_EVIDENCE = 32  # rounds of a sampling mode before its estimate is trusted to say "plain"
 # Acceptance calibration: decay per tested draft, and the tested drafts a
 # position needs before its own ratio is used.
 CALIBRATION_WEIGHT = 0.01
@@ -178,6 +180,11 @@ class _Calibration:
             elif j:
                 out[j] = out[j - 1]
         return out
+
+
+def _calibrated(estimate: _Estimate, ratios: np.ndarray) -> tuple[float, ...]:
+    """An acceptance estimate scaled by its mode's calibration ratios."""
+    return tuple(np.minimum(np.asarray(estimate.read()) * ratios, 1.0))
 
 
 def width_bucket(width: int) -> int:
@@ -337,10 +344,9 @@ class AdaptiveController:
             paused = state.paused_until > self.step
             probe = not paused and state.paused_until >= 0 and limit > 0
             probes.append(probe)
-            acceptance = np.minimum(np.asarray(state.acceptance.read()) * calibration[sampled], 1.0)
             # A request whose pause is over is a full candidate (the policy
             # may give it drafts again); below, it drafts at least one.
-            candidates.append(Candidate(tuple(acceptance), 0 if paused else limit))
+            candidates.append(Candidate(_calibrated(state.acceptance, calibration[sampled]), 0 if paused else limit))
         factors, rounds_measured = self._factors(key)
         unproven = any(self._engine_acceptance[sampled].seen[0] < ACCEPTANCE_EVIDENCE for _, sampled, _ in requests)
         decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN)
@@ -396,7 +402,7 @@ class AdaptiveController:
             # were measured here.
             drafts, reason = [min(unmeasured[0], limit) for limit in limits], "explore"
         elif self.step % EXPLORE_EVERY == 0:
-            explored = self._explore(drafts, candidates, key, decision.rate, other_tokens, context)
+            explored = self._explore(drafts, candidates, factors, decision.rate, other_tokens, context)
             if explored is not None:
                 drafts, reason = explored, "explore"
         for i, (req_id, _, limit) in enumerate(requests):
@@ -422,8 +428,7 @@ class AdaptiveController:
         the engine-wide acceptance: the width cap is a property of the
         width, not of the current requests (whose estimates dip and
         recover; they are paused one by one instead)."""
-        typical = [Candidate(tuple(np.minimum(np.asarray(self._engine_acceptance[sampled].read())
-                                              * calibration[sampled], 1.0)), limit)
+        typical = [Candidate(_calibrated(self._engine_acceptance[sampled], calibration[sampled]), limit)
                    for _, sampled, limit in requests]
         return decide(typical, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN).plain
 
@@ -508,7 +513,7 @@ class AdaptiveController:
         k = (self.start_k, 1, self.max_k)[phase - 1]
         return [min(k, limit) for _, _, limit in requests]
 
-    def _explore(self, drafts: list[int], candidates: list[Candidate], key: tuple[int, int], rate: float,
+    def _explore(self, drafts: list[int], candidates: list[Candidate], factors: np.ndarray, rate: float,
                  other_tokens: int, context: int) -> list[int] | None:
         """A neighbour of the decision: one draft more, one fewer, or plain,
         in turn; None (no exploration this turn) where the corrected model
@@ -523,7 +528,7 @@ class AdaptiveController:
             k = max(drafts) if any(drafts) else 0
             k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
             explored = [min(k, limit) for limit in limits]
-        expected = expected_rate(candidates, explored, self.costs, other_tokens, context, self.time_factors(key))
+        expected = expected_rate(candidates, explored, self.costs, other_tokens, context, factors)
         if expected < EXPLORE_POOR_SHARE * rate and (exploration // 3) % EXPLORE_POOR_EVERY != 0:
             return None
         return explored
