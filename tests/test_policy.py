@@ -398,3 +398,21 @@ def test_under_the_width_cap_steps_are_held_plain_without_a_decision():
     assert held == [True, True, True, True, False, False]
     assert [r.reason for r in c.history] == ["width_cap"] * 4
     assert not c.holds_plain(12) and c.armed  # rearm_width(16) == 12
+
+
+def test_a_request_unlike_the_engine_average_is_learned_in_a_few_rounds():
+    """The engine-wide estimate says drafts are poor (0.2 everywhere, from
+    thousands of rounds); a new request that repeats itself accepts every
+    draft. Its start weighs only a few rounds, and exploration from a plain
+    decision tries the model's best round (not one draft, which would never
+    test positions >= 2), so the lone request ends up drafting long rounds."""
+    from vllm_loopspec.speculative.adaptive import PRIOR_ROUNDS
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    c._engine_acceptance[False].values[:] = 0.2
+    c._engine_acceptance[False].seen[:] = 5000
+    state = c._request("warm", False)
+    assert (state.acceptance.seen == PRIOR_ROUNDS).all()
+    history = drive_with_wrong_model(c, [("easy", False, 8)], CPU_LIKE, TrueCosts(CPU_LIKE), {"easy": 1.0}, 300)
+    late = [max(d) for d, _, _ in history[-100:]]
+    assert sum(k >= 4 for k in late) > 80, late

@@ -66,6 +66,7 @@ ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a fe
 # Weight of the newest observation: a running mean over the first 1/w
 # observations of a position, then an exponentially weighted one.
 REQUEST_WEIGHT = 0.1
+PRIOR_ROUNDS = 1  # a new request's start (the engine-wide estimate) weighs as this many of its own rounds
 ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
@@ -108,29 +109,43 @@ CALIBRATION_MIN_DRAFTS = 48.0
 @dataclass
 class _Estimate:
     """Conditional acceptance per draft position, exponentially weighted.
-    A position never drafted yet reads as the last position that was (the
-    chain's tail is untested, not worse)."""
+    A position this estimate's own rounds never drafted reads as the last
+    position they did (the chain's tail is untested, not worse; the
+    calibration corrects the optimism); before any own round, a started
+    estimate reads as its start."""
 
     values: np.ndarray
     seen: np.ndarray
+    own: np.ndarray | None = None  # rounds of its own per position (seen includes the start's)
+
+    def __post_init__(self) -> None:
+        if self.own is None:
+            self.own = self.seen.copy()
 
     @classmethod
     def prior(cls, k: int) -> "_Estimate":
         return cls(np.full(k, ACCEPTANCE_PRIOR), np.zeros(k, dtype=np.int64))
 
     def copy(self) -> "_Estimate":
-        return _Estimate(self.values.copy(), self.seen.copy())
+        return _Estimate(self.values.copy(), self.seen.copy(), self.own.copy())
+
+    def started_from(self, weight: int) -> "_Estimate":
+        """A new estimate starting at this one's values, worth ``weight`` rounds."""
+        return _Estimate(self.values.copy(), np.minimum(self.seen, weight), np.zeros_like(self.own))
 
     def update(self, outcome: np.ndarray, weight: float) -> None:
         n = len(outcome)
         self.seen[:n] += 1
+        self.own[:n] += 1
         step = np.maximum(1.0 / self.seen[:n], weight)
         self.values[:n] += step * (outcome - self.values[:n])
 
     def read(self) -> tuple[float, ...]:
         out = self.values.copy()
+        tested = self.own > 0
         for j in range(1, len(out)):
-            if not self.seen[j]:
+            if not tested[j] and tested[j - 1]:
+                tested[j] = True
                 out[j] = out[j - 1]
         return tuple(out)
 
@@ -495,7 +510,11 @@ class AdaptiveController:
     def _request(self, req_id: str, sampled: bool) -> _RequestState:
         state = self._requests.get(req_id)
         if state is None:
-            state = _RequestState(self._engine_acceptance[sampled].copy())
+            # Started from the engine-wide estimate, worth a few rounds only:
+            # requests differ (one repeats itself and accepts everything, the
+            # next does not), and the engine's sample count would make this
+            # one's own rounds move its estimate at the slow weight.
+            state = _RequestState(self._engine_acceptance[sampled].started_from(PRIOR_ROUNDS))
             self._requests[req_id] = state
         return state
 
@@ -524,6 +543,11 @@ class AdaptiveController:
         limits = [c.max_drafts for c in candidates]
         if turn == 2 or not any(limits):
             explored = [0] * len(drafts)
+        elif not any(drafts) and turn == 0:
+            # From a plain decision: the model's best round (one draft would
+            # only ever test the first position again).
+            best = decide(candidates, self.costs, self.max_k, other_tokens, context, factors, margin=-1.0)
+            explored = list(best.drafts) if any(best.drafts) else [min(1, limit) for limit in limits]
         else:
             k = max(drafts) if any(drafts) else 0
             k = min(self.max_k, k + 1) if turn == 0 else max(1, k - 1)
