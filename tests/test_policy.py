@@ -4,7 +4,7 @@ measurements (issue 13)."""
 import numpy as np
 import pytest
 
-from vllm_loopspec.speculative.adaptive import (EXPLORE_EVERY, SKIP_LOW_ACCEPTANCE, SKIP_WIDTH_CAP,
+from vllm_loopspec.speculative.adaptive import (EXPLORE_EVERY, GREEDY, SAMPLED, SKIP_LOW_ACCEPTANCE, SKIP_WIDTH_CAP,
                                                 AdaptiveController)
 from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_tokens, fit_linear,
                                               rearm_width, shape_medians, width_cap)
@@ -60,6 +60,7 @@ def test_width_cap_is_where_plain_wins():
     assert decide([Candidate((0.7,) * 8, 8)] * cap, CPU_LIKE, 8).plain
     assert width_cap(CPU_LIKE, (0.0,) * 8, 8, 256) == 1
     assert 1 <= rearm_width(cap) < cap
+    assert rearm_width(1) == 0
 
 
 def test_fit_recovers_costs_despite_outliers():
@@ -237,7 +238,7 @@ def test_measured_time_keeps_a_paying_speculation():
 
 
 def test_factors_are_kept_per_width_bucket_and_sampling_mix():
-    from vllm_loopspec.speculative.adaptive import SAMPLED, width_bucket
+    from vllm_loopspec.speculative.adaptive import width_bucket
 
     assert [width_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
     c = AdaptiveController(max_k=8, start_k=4)
@@ -393,11 +394,22 @@ def test_under_the_width_cap_steps_are_held_plain_without_a_decision():
     each held step counts as a width_cap step, a probe step is left to
     plan(), and a batch narrowed to the re-arm width re-arms."""
     c = AdaptiveController(max_k=8, start_k=4)
-    c.armed, c.cap, c._next_probe = False, 16, 5
-    held = [c.holds_plain(16) for _ in range(6)]
+    c.armed, c.cap, c.cap_mix, c._next_probe = False, 16, GREEDY, 5
+    held = [c.holds_plain(16, GREEDY) for _ in range(6)]
     assert held == [True, True, True, True, False, False]
     assert [r.reason for r in c.history] == ["width_cap"] * 4
-    assert not c.holds_plain(12) and c.armed  # rearm_width(16) == 12
+    assert not c.holds_plain(12, GREEDY) and c.armed  # rearm_width(16) == 12
+
+
+def test_the_width_cap_holds_a_lone_request_and_belongs_to_its_sampling_mix():
+    """A cap of 1 (even a lone request decodes plainly: sampled requests on
+    a machine where rounds cost several plain steps) holds until a probe,
+    with no decision per step; a batch of the other mix re-arms at once."""
+    assert rearm_width(1) == 0 and rearm_width(2) == 1
+    c = AdaptiveController(max_k=8, start_k=4)
+    c.armed, c.cap, c.cap_mix, c._next_probe = False, 1, SAMPLED, 100
+    assert all(c.holds_plain(1, SAMPLED) for _ in range(50))
+    assert not c.holds_plain(1, GREEDY) and c.armed and c.cap is None
 
 
 def test_a_request_unlike_the_engine_average_is_learned_in_a_few_rounds():

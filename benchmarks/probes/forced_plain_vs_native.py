@@ -27,7 +27,15 @@ def main():
     for name in ("held plain", "adaptive"):
         engines[name] = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": 1}, **ENGINE_ARGS)
     held = model_runner(engines["held plain"]).drafter.controller
-    held.armed, held.cap, held._next_probe = False, 2, 10**12  # rearm_width(2) == 1: every width here stays capped
+
+    def hold_plain(width: int, mix: int) -> bool:
+        """The width-cap fast path at every width (the real one re-arms at
+        the re-arm width, which would be 1 at the narrowest cap)."""
+        held.step += 1
+        held._record(width, [0] * width, "width_cap")
+        return True
+
+    held.armed, held.holds_plain = False, hold_plain
     results = {}
     for temperature in (0.8, 0.0):
         params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
@@ -45,7 +53,8 @@ def main():
                       for name in engines if name != "native"}
             results[f"T{temperature} c{c}"] = {"tokens_per_s": rates, "paired_vs_native": paired}
             print(f"T{temperature} c{c}", {k: round(v, 3) for k, v in paired.items()}, flush=True)
-    out = ROOT / "benchmarks" / "results" / "forced_plain_vs_native.json"
+    suffix = "" if widths == [4, 16] else "_c" + "_".join(map(str, widths))
+    out = ROOT / "benchmarks" / "results" / f"forced_plain_vs_native{suffix}.json"
     out.write_text(json.dumps({
         "benchmark": "forced_plain_vs_native", "command": " ".join(["python", *sys.argv]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "repeats_timed": 4, "max_tokens": 128,

@@ -86,6 +86,7 @@ PROBE_BACKOFF = (8, 256)  # steps: first pause, longest pause
 # Steps between width-cap probes, first and longest: a probe round costs
 # several plain steps.
 CAP_PROBE_BACKOFF = (4 * EXPLORE_EVERY, 512)
+GAP_MEDIAN_EVERY = 8  # new gaps between recomputations of their medians
 CONTEXT_BUCKET = 64  # tokens: step contexts closer than this are one shape of the fit
 
 # Reasons a request decodes one token without drafting (metrics labels).
@@ -239,6 +240,7 @@ class AdaptiveController:
     step: int = 0
     armed: bool = True
     cap: int | None = None
+    cap_mix: int | None = None  # the sampling mix of the batches the cap was set for
     costs: StepCosts | None = None
     plain_streak: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=4096))
@@ -254,6 +256,8 @@ class AdaptiveController:
         # hands back more tokens than a plain step.
         self._gaps: dict[bool, deque] = {False: deque(maxlen=64), True: deque(maxlen=64)}
         self._last_kind: bool | None = None  # speculative? of the last timed step
+        self._gaps_added = 0
+        self._gap_medians: dict[bool, tuple[int, float]] = {}  # kind -> (gaps added then, median)
         self._pending: tuple[tuple[int, int], int, float, float] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
@@ -312,6 +316,7 @@ class AdaptiveController:
             return
         if seconds is not None:
             self._gaps[self._last_kind].append(seconds)
+            self._gaps_added += 1
         if self._pending is not None:
             key, ticks, step_seconds, predicted = self._pending
             measured = step_seconds + self._median_gap(ticks > 0)
@@ -320,11 +325,17 @@ class AdaptiveController:
 
     def _median_gap(self, speculative: bool) -> float:
         """Median gap after a kind of step (all gaps while the kind has fewer
-        than 8: plain steps may be rare)."""
+        than 8: plain steps may be rare); recomputed every
+        :data:`GAP_MEDIAN_EVERY` new gaps, not on every step."""
+        cached = self._gap_medians.get(speculative)
+        if cached is not None and self._gaps_added - cached[0] < GAP_MEDIAN_EVERY:
+            return cached[1]
         gaps = self._gaps[speculative]
         if len(gaps) < 8:
             gaps = [g for kind in (False, True) for g in self._gaps[kind]]
-        return float(np.median(gaps)) if len(gaps) else 0.0
+        median = float(np.median(gaps)) if len(gaps) else 0.0
+        self._gap_medians[speculative] = (self._gaps_added, median)
+        return median
 
     def forget(self, live_req_ids) -> None:
         """Drop the state of requests no longer in the batch."""
@@ -338,7 +349,8 @@ class AdaptiveController:
         request-steps without drafts counted by reason. ``context``: the
         lengths of the step's rows, summed."""
         width = len(requests)
-        if self.holds_plain(width):
+        mix = sampling_mix([sampled for _, sampled, _ in requests])
+        if self.holds_plain(width, mix):
             return [0] * width, {SKIP_WIDTH_CAP: width}
         self.step += 1
         skipped: dict[str, int] = {}
@@ -350,7 +362,7 @@ class AdaptiveController:
             drafts = self._warmup(requests)
             self._record(width, drafts, "warmup")
             return drafts, skipped
-        key = (width_bucket(width), sampling_mix([sampled for _, sampled, _ in requests]))
+        key = (width_bucket(width), mix)
         probes = []
         candidates = []
         calibration = {mode: c.ratios() for mode, c in self._calibration.items()}
@@ -385,7 +397,7 @@ class AdaptiveController:
                 self._next_probe = self.step + self._probe_interval
                 self._record(width, drafts, "explore")
                 return drafts, skipped
-            self.armed, self.cap = True, None
+            self.armed, self.cap, self.cap_mix = True, None, None
         if measured_loss:
             reason = SKIP_MEASURED
         eligible = any(c.max_drafts for c in candidates)
@@ -404,7 +416,7 @@ class AdaptiveController:
         # Nor while this width's first measurements are still being made.
         if (self.plain_streak >= DISARM_AFTER and rounds_measured and not unproven and not unmeasured
                 and self._typical_batch_plain(requests, calibration, factors, other_tokens, context)):
-            self.armed, self.cap, self.plain_streak = False, width, 0
+            self.armed, self.cap, self.cap_mix, self.plain_streak = False, width, mix, 0
             self._probe_interval = CAP_PROBE_BACKOFF[0]
             self._next_probe = self.step + self._probe_interval
         if unmeasured and self.step % (EXPLORE_EVERY // 2) == 0:
@@ -447,14 +459,17 @@ class AdaptiveController:
                    for _, sampled, limit in requests]
         return decide(typical, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN).plain
 
-    def holds_plain(self, width: int) -> bool:
-        """Whether the next step of ``width`` requests is a plain step under
-        the width cap (counted as one, no decision needed); re-arms first
-        if the batch has narrowed to the re-arm width."""
+    def holds_plain(self, width: int, mix: int) -> bool:
+        """Whether the next step of ``width`` requests of sampling ``mix`` is
+        a plain step under the width cap (counted as one, no decision
+        needed); re-arms first if the batch has narrowed to the re-arm
+        width or its mix is not the one the cap was set for (greedy and
+        sampled requests accept differently: a cap one mix earned says
+        nothing of the other)."""
         if not width or self.armed:
             return False
-        if width <= rearm_width(self.cap):
-            self.armed, self.cap = True, None
+        if width <= rearm_width(self.cap) or mix != self.cap_mix:
+            self.armed, self.cap, self.cap_mix = True, None, None
             return False
         if self.step + 1 >= self._next_probe:
             return False  # a probe step: plan() decides it

@@ -188,11 +188,12 @@ class LoopSpecDrafter:
         """The adaptive policy's ``K_i`` within each request's limit."""
         batch = self.runner.input_batch
         decoding = [row for row, k in enumerate(limits) if k is not None]
-        if self.controller.holds_plain(len(decoding)):
+        sampled = batch.temperature_cpu[decoding] > 0
+        if self.controller.holds_plain(len(decoding), sampling_mix(sampled)):
             # Under the width cap: a plain step, with no policy work.
             self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding)
             return [None if k is None else 0 for k in limits]
-        requests = [(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), limits[row]) for row in decoding]
+        requests = [(batch.req_ids[row], bool(s), limits[row]) for row, s in zip(decoding, sampled)]
         context = int(batch.num_tokens_no_spec[: len(limits)].sum())
         drafts, skipped = self.controller.plan(requests, context=context)
         self.stats.skipped.update(skipped)

@@ -127,9 +127,10 @@ def width_cap(costs: StepCosts, acceptance: Sequence[float], max_k: int, max_wid
 
 def rearm_width(cap: int) -> int:
     """Width at or below which speculation re-arms after the cap turned it
-    off: a quarter below the cap (at least one row), so that a batch
-    hovering at the cap does not flip every step."""
-    return max(1, cap - max(1, cap // 4))
+    off: a quarter below the cap (at least one row below), so that a batch
+    hovering at the cap does not flip every step. 0 for a cap of 1: a lone
+    request held plain is re-armed by a probe, not by the width."""
+    return max(0, cap - max(1, cap // 4))
 
 
 # -- internals ------------------------------------------------------------------
