@@ -122,6 +122,7 @@ class _Estimate:
     def __post_init__(self) -> None:
         if self.own is None:
             self.own = self.seen.copy()
+        self._read: tuple[float, ...] | None = None  # read() until the next update
 
     @classmethod
     def prior(cls, k: int) -> "_Estimate":
@@ -140,8 +141,14 @@ class _Estimate:
         self.own[:n] += 1
         step = np.maximum(1.0 / self.seen[:n], weight)
         self.values[:n] += step * (outcome - self.values[:n])
+        self._read = None
 
     def read(self) -> tuple[float, ...]:
+        if self._read is None:
+            self._read = self._tail_filled()
+        return self._read
+
+    def _tail_filled(self) -> tuple[float, ...]:
         out = self.values.copy()
         tested = self.own > 0
         for j in range(1, len(out)):
@@ -176,6 +183,7 @@ class _Calibration:
     accepted: np.ndarray
     estimated: np.ndarray
     drafts: np.ndarray
+    _ratios: np.ndarray | None = None  # ratios() until the next update
 
     @classmethod
     def empty(cls, k: int) -> "_Calibration":
@@ -187,8 +195,14 @@ class _Calibration:
         self.accepted[:n] = keep * self.accepted[:n] + outcome
         self.estimated[:n] = keep * self.estimated[:n] + estimate[:n]
         self.drafts[:n] = keep * self.drafts[:n] + 1.0
+        self._ratios = None
 
     def ratios(self) -> np.ndarray:
+        if self._ratios is None:
+            self._ratios = self._compute_ratios()
+        return self._ratios
+
+    def _compute_ratios(self) -> np.ndarray:
         out = np.ones(len(self.accepted))
         for j in range(len(out)):
             if self.drafts[j] >= CALIBRATION_MIN_DRAFTS and self.estimated[j] > 0:
@@ -211,8 +225,10 @@ def width_bucket(width: int) -> int:
 GREEDY, MIXED, SAMPLED = 0, 1, 2  # a batch's sampling mix
 
 
-def sampling_mix(sampled: list[bool]) -> int:
-    return SAMPLED if all(sampled) else GREEDY if not any(sampled) else MIXED
+def sampling_mix(sampled) -> int:
+    """The mix of a batch from its rows' sampled? flags (a list or a numpy array)."""
+    n, count = len(sampled), int(np.count_nonzero(sampled))
+    return SAMPLED if count == n else GREEDY if count == 0 else MIXED
 
 
 @dataclass

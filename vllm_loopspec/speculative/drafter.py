@@ -34,6 +34,8 @@ from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention,
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
+TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
+
 PLACEHOLDER_TOKEN = 0  # vLLM schedules these slots; the round writes the real drafts
 
 # Reasons a request decodes one token without drafting in a step.
@@ -159,12 +161,23 @@ class LoopSpecDrafter:
         ``decoding(row, req_id)`` rejects, else the request's limit
         (:meth:`num_drafts`, at length ``num_tokens(row, req_id)`` when given)
         and, with the adaptive policy, its decision within it."""
+        batch = self.runner.input_batch
+        rows = [decoding(row, req_id) for row, req_id in enumerate(batch.req_ids)]
+        sampled = None
+        if self.controller is not None:
+            decoding_rows = [row for row, d in enumerate(rows) if d]
+            sampled = batch.temperature_cpu[decoding_rows] > 0
+            if self.controller.holds_plain(len(decoding_rows), sampling_mix(sampled)):
+                # Under the width cap: a plain step, with no per-request
+                # limits and no policy work.
+                self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding_rows)
+                return [0 if d else None for d in rows]
         max_len = self.runner.model_config.max_model_len
         limits: list[int | None] = [
             self.num_drafts(row, req_id, max_len, None if num_tokens is None else num_tokens(row, req_id))
-            if decoding(row, req_id) else None
-            for row, req_id in enumerate(self.runner.input_batch.req_ids)]
-        return self._adapt(limits) if self.controller is not None else limits
+            if rows[row] else None
+            for row, req_id in enumerate(batch.req_ids)]
+        return self._adapt(limits, sampled) if self.controller is not None else limits
 
     def note_committed(self, counts: torch.Tensor) -> None:
         """Async: tokens each row of this step committed (accepted drafts +
@@ -184,15 +197,11 @@ class LoopSpecDrafter:
             if k and row < len(counts):
                 self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0))
 
-    def _adapt(self, limits: list[int | None]) -> list[int | None]:
-        """The adaptive policy's ``K_i`` within each request's limit."""
+    def _adapt(self, limits: list[int | None], sampled: np.ndarray) -> list[int | None]:
+        """The adaptive policy's ``K_i`` within each request's limit;
+        ``sampled``: per decoding row (in order), whether it samples."""
         batch = self.runner.input_batch
         decoding = [row for row, k in enumerate(limits) if k is not None]
-        sampled = batch.temperature_cpu[decoding] > 0
-        if self.controller.holds_plain(len(decoding), sampling_mix(sampled)):
-            # Under the width cap: a plain step, with no policy work.
-            self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding)
-            return [None if k is None else 0 for k in limits]
         requests = [(batch.req_ids[row], bool(s), limits[row]) for row, s in zip(decoding, sampled)]
         context = int(batch.num_tokens_no_spec[: len(limits)].sum())
         drafts, skipped = self.controller.plan(requests, context=context)
@@ -244,10 +253,13 @@ class LoopSpecDrafter:
         now = time.perf_counter()
         tokens = scheduler_output.total_num_scheduled_tokens
         self._step_scheduled = scheduler_output.num_scheduled_tokens
-        if self.controller is None or not tokens:
-            self._step_shape = None
-            return
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        if (self.controller is None or not tokens
+                or (not self.controller.armed and not spec_tokens and self.controller.step % TIME_UNDER_CAP_EVERY)):
+            # Under the width cap most plain steps go untimed: their cost is
+            # known, and timing is a share of a narrow step's host work.
+            self._step_shape = self._step_end = None
+            return
         drafts = [len(t) for t in spec_tokens.values()]
         self._step_shape = (max(drafts, default=0), sum(1 for k in drafts if k), tokens)
         cached = scheduler_output.scheduled_cached_reqs
