@@ -22,8 +22,11 @@
   engine-wide acceptance would decode plainly too, the width becomes the
   cap and every step is plain (vLLM's plain step, no rejection sampler, no
   policy work: :meth:`AdaptiveController.holds_plain`) until the batch narrows to
-  :func:`~vllm_loopspec.speculative.policy.rearm_width` of the cap, or a
-  periodic probe finds speculation paying again at the current width.
+  :func:`~vllm_loopspec.speculative.policy.rearm_width` of the cap, its
+  sampling mix changes (the cap was earned by one mix's acceptance), or a
+  periodic probe finds speculation paying again at the current width. A cap
+  of 1 (a lone request decodes plainly: sampled requests where a round
+  costs several plain steps) is left by a probe or a change of mix only.
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
