@@ -424,7 +424,50 @@ def test_a_request_unlike_the_engine_average_is_learned_in_a_few_rounds():
     c._engine_acceptance[False].values[:] = 0.2
     c._engine_acceptance[False].seen[:] = 5000
     state = c._request("warm", False)
-    assert (state.acceptance.seen == PRIOR_ROUNDS).all()
+    assert (state.acceptance.seen == PRIOR_ROUNDS[False]).all()
     history = drive_with_wrong_model(c, [("easy", False, 8)], CPU_LIKE, TrueCosts(CPU_LIKE), {"easy": 1.0}, 300)
     late = [max(d) for d, _, _ in history[-100:]]
     assert sum(k >= 4 for k in late) > 80, late
+
+
+def test_a_sampled_request_starts_from_its_mode_estimate_at_the_weight_of_many_rounds():
+    """Sampled acceptance varies by draw more than by request: a new sampled
+    request's start weighs PRIOR_ROUNDS[True] rounds, a greedy one's one
+    round; so two lucky sampled rounds leave it near the engine's estimate."""
+    from vllm_loopspec.speculative.adaptive import PRIOR_ROUNDS
+
+    assert PRIOR_ROUNDS[True] > PRIOR_ROUNDS[False]
+    c = AdaptiveController(max_k=8, start_k=4)
+    for mode in (False, True):
+        c._engine_acceptance[mode].values[:] = 0.5
+        c._engine_acceptance[mode].seen[:] = 5000
+    greedy, sampled = c._request("g", False), c._request("s", True)
+    for req_id, mode in (("g", False), ("s", True)):
+        for _ in range(2):
+            c.observe_round(req_id, mode, 2, 2)
+    assert greedy.acceptance.read()[0] > 0.8
+    assert sampled.acceptance.read()[0] < 0.6
+
+
+def test_a_run_of_plain_decisions_for_the_same_requests_decides_one_step_in_a_few(monkeypatch):
+    """Once plain decisions run for the same requests (no round, so no
+    estimate moves) and the cap is refused, the controller decides on one
+    step in PLAIN_RECHECK_EVERY; a new request makes it decide at once."""
+    import vllm_loopspec.speculative.adaptive as adaptive
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    c.costs, c._refit = CPU_LIKE, (lambda: None)
+    c._engine_acceptance[False].values[:] = 0.9  # a typical batch would speculate: no cap
+    c._engine_acceptance[False].seen[:] = 5000
+    state = c._request("low", False)
+    state.acceptance.values[:] = 0.0
+    calls = []
+    real = adaptive.decide
+    monkeypatch.setattr(adaptive, "decide", lambda *a, **k: calls.append(1) or real(*a, **k))
+    steps = [c.plan([("low", False, 8)]) for _ in range(64)]
+    assert all(not any(d) for d, _ in steps) and c.armed
+    assert len(calls) < 56, len(calls)  # deciding on every step: at least 64
+    assert steps[-1][1] and sum(steps[-1][1].values()) == 1  # still counted by reason
+    before = len(calls)
+    c.plan([("low", False, 8), ("new", False, 8)])
+    assert len(calls) > before

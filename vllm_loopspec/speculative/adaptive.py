@@ -69,7 +69,16 @@ ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a fe
 # Weight of the newest observation: a running mean over the first 1/w
 # observations of a position, then an exponentially weighted one.
 REQUEST_WEIGHT = 0.1
-PRIOR_ROUNDS = 1  # a new request's start (the engine-wide estimate) weighs as this many of its own rounds
+# A new request's start (the engine-wide estimate of its mode) weighs as this
+# many of its own rounds, by mode: greedy requests differ from each other (one
+# repeats itself and accepts everything, the next does not), so a greedy
+# request's own rounds take over at once; a sampled request's acceptance
+# varies more from draw to draw than from request to request, and a few lucky
+# rounds must not read as a request worth drafting for.
+PRIOR_ROUNDS = {False: 1, True: 16}
+# In a run of plain decisions for the same requests (their estimates move only
+# with rounds), a full decision is made on one step in this many.
+PLAIN_RECHECK_EVERY = 4
 ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
@@ -285,6 +294,7 @@ class AdaptiveController:
         self._probe_interval = CAP_PROBE_BACKOFF[0]
         self._next_probe = 0
         self._plain_reason: str | None = None  # of the current run of plain decisions
+        self._plain_run: tuple[tuple[str, ...], str, dict[str, int]] | None = None  # (requests, reason, skipped)
 
     # -- measurements -------------------------------------------------------------
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
@@ -381,6 +391,16 @@ class AdaptiveController:
             drafts = self._warmup(requests)
             self._record(width, drafts, "warmup")
             return drafts, skipped
+        req_ids = tuple(req_id for req_id, _, _ in requests)
+        if self._plain_run is not None and self._plain_run[0] == req_ids and self.step % PLAIN_RECHECK_EVERY:
+            # The same requests as the last plain decisions, no round since:
+            # plain again, without deciding (exploration and disarming fall
+            # on the steps that decide).
+            self.plain_streak += 1
+            reason, skipped = self._plain_run[1], dict(self._plain_run[2])
+            self._record(width, [0] * width, reason)
+            return [0] * width, skipped
+        self._plain_run = None
         key = (width_bucket(width), mix)
         probes = []
         candidates = []
@@ -466,6 +486,8 @@ class AdaptiveController:
             elif drafts[i] == 0 and limit > 0:
                 why = SKIP_MEASURED if reason == SKIP_MEASURED else SKIP_COST
                 skipped[why] = skipped.get(why, 0) + 1
+        if self.plain_streak >= DISARM_AFTER and not any(drafts):
+            self._plain_run = (tuple(req_id for req_id, _, _ in requests), reason, dict(skipped))
         self._record(width, drafts, reason)
         return drafts, skipped
 
@@ -548,7 +570,7 @@ class AdaptiveController:
             # requests differ (one repeats itself and accepts everything, the
             # next does not), and the engine's sample count would make this
             # one's own rounds move its estimate at the slow weight.
-            state = _RequestState(self._engine_acceptance[sampled].started_from(PRIOR_ROUNDS))
+            state = _RequestState(self._engine_acceptance[sampled].started_from(PRIOR_ROUNDS[sampled]))
             self._requests[req_id] = state
         return state
 
