@@ -471,3 +471,16 @@ def test_a_run_of_plain_decisions_for_the_same_requests_decides_one_step_in_a_fe
     before = len(calls)
     c.plan([("low", False, 8), ("new", False, 8)])
     assert len(calls) > before
+
+
+def test_a_lone_greedy_request_drafting_nothing_sets_no_width_cap():
+    """Plain steps for a lone greedy request whose drafts all fail, with the
+    engine's greedy estimate dragged down by it: no cap at width 1 (the
+    next greedy request may accept everything), and its plain steps are
+    cheap runs (few full decisions)."""
+    c = AdaptiveController(max_k=8, start_k=4)
+    c._engine_acceptance[False].values[:] = 0.05  # as many such rounds leave it
+    c._engine_acceptance[False].seen[:] = 5000
+    history = drive(c, [("lone", False, 8)], CPU_LIKE, {"lone": 0.0}, 400, np.random.default_rng(3))
+    assert c.armed and c.cap is None
+    assert sum(not any(d) for d, _, _ in history[-100:]) > 90

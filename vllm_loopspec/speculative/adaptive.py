@@ -453,7 +453,11 @@ class AdaptiveController:
         # extrapolating to widths with no measured rounds near must not
         # switch speculation off before exploration has measured one.
         # Nor while this width's first measurements are still being made.
+        # A lone greedy request sets no cap: greedy requests differ too much
+        # (one repeats itself, the next drafts nothing) for one to speak for
+        # the next; its plain decisions are cheap runs instead.
         if (self.plain_streak >= DISARM_AFTER and rounds_measured and not unproven and not unmeasured
+                and (width > 1 or mix == SAMPLED)
                 and self._typical_batch_plain(requests, calibration, factors, other_tokens, context)):
             self.armed, self.cap, self.cap_mix, self.plain_streak = False, width, mix, 0
             self._probe_interval = CAP_PROBE_BACKOFF[0]
