@@ -3,8 +3,10 @@
 
 * **Acceptance** per request and draft position, an exponentially weighted
   estimate started from the engine-wide estimate of the request's sampling
-  mode (greedy and sampled requests accept differently), scaled by a
-  per-position calibration (accepted over estimated drafts, over every
+  mode (greedy and sampled requests accept differently) at the weight of
+  :data:`PRIOR_ROUNDS` of its own rounds (one for greedy requests, which
+  differ from each other; many for sampled ones, whose rounds vary by
+  draw), scaled by a per-position calibration (accepted over estimated drafts, over every
   round of the mode): estimates are read where the policy chose to draft,
   where they were high, so deep positions run optimistic.
 * **Step costs**, fitted by least squares from the engine's own step timings
@@ -26,7 +28,11 @@
   sampling mix changes (the cap was earned by one mix's acceptance), or a
   periodic probe finds speculation paying again at the current width. A cap
   of 1 (a lone request decodes plainly: sampled requests where a round
-  costs several plain steps) is left by a probe or a change of mix only.
+  costs several plain steps) is left by a probe or a change of mix only; a
+  lone greedy request sets none (the next greedy request may accept
+  everything). A run of plain decisions for the same requests decides
+  again on one step in :data:`PLAIN_RECHECK_EVERY` only (no round moves
+  their estimates meanwhile).
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles each time the probe fails.
