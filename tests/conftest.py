@@ -96,16 +96,19 @@ def loopspec_llms(tiny_checkpoint):
     """loopspec engines on the tiny checkpoint, built on first use and shared:
     ``loopspec_llms(K, d=2)`` drafts K tokens every round (``"adaptive":
     false``); ``loopspec_llms(K, d, adaptive=True)`` runs the adaptive policy
-    (K for its warm-up, at most 8)."""
+    (K for its warm-up, at most 8); ``schedule="pipelined"`` the pipelined
+    step (RFC §7)."""
     engines = {}
 
-    def get(k: int, d: int = 2, adaptive: bool = False):
-        if (k, d, adaptive) not in engines:
-            engines[(k, d, adaptive)] = make_llm(
+    def get(k: int, d: int = 2, adaptive: bool = False, schedule: str = "round"):
+        key = (k, d, adaptive, schedule)
+        if key not in engines:
+            engines[key] = make_llm(
                 tiny_checkpoint,
-                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive},
+                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive,
+                 "schedule": schedule},
             )
-        return engines[(k, d, adaptive)]
+        return engines[key]
 
     yield get
     engines.clear()

@@ -89,6 +89,14 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
 
         return _ChooserView(chooser, choose)
 
+    def pipeline_override(self, layout):
+        if self.draft_override is None:
+            return None
+        override = self.draft_override
+        req_ids = self.runner.input_batch.req_ids
+        anchor_pos = (layout.seq_lens - layout.num_drafts - 1).tolist()
+        return lambda row, slot, token: override(req_ids[row], slot, int(token), anchor_pos[row])
+
     def run_step(self, input_ids, positions, spec_metadata, common):
         hidden = super().run_step(input_ids, positions, spec_metadata, common)
         if self.trace is not None:

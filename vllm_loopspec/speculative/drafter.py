@@ -30,7 +30,9 @@ import torch
 
 from vllm_loopspec.speculative.adaptive import SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
-from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan
+from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
+                                                 run_pipelined)
+from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
@@ -311,6 +313,10 @@ class LoopSpecDrafter:
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
         """The model forward of a step with drafts: returns loop-``R`` exit
         states of every scheduled token, with the drafts handed to vLLM."""
+        if self.options.schedule == "pipelined":
+            layout = self.layout(spec_metadata, common)
+            if not (self.runner.input_batch.temperature_cpu[layout.spec_rows] > 0).any():
+                return self.run_pipelined_step(layout, input_ids, positions, spec_metadata, common)
         plan = self.plan(spec_metadata, common)
         chooser = self.make_chooser(plan)
         output = self.execute(plan, chooser, input_ids, positions)
@@ -319,6 +325,11 @@ class LoopSpecDrafter:
         return output.hidden_states
 
     def plan(self, spec_metadata, common) -> RoundPlan:
+        return build_plan(self.layout(spec_metadata, common), common, self.runner.attn_groups[0][0],
+                          self.runner.device, self.row_buckets)
+
+    def layout(self, spec_metadata, common) -> StepLayout:
+        """Where the step's rows and drafts sit in its flat batch."""
         runner = self.runner
         num_drafts = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64)
         num_reqs = num_drafts.shape[0]  # not common.num_reqs: that one may be padded
@@ -330,9 +341,7 @@ class LoopSpecDrafter:
             computed = runner.num_computed_tokens[:num_reqs].cpu().numpy().astype(np.int64)
         else:
             computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-        layout = StepLayout(query_start=query_start, num_drafts=num_drafts,
-                            seq_lens=computed + np.diff(query_start))
-        return build_plan(layout, common, runner.attn_groups[0][0], runner.device, self.row_buckets)
+        return StepLayout(query_start=query_start, num_drafts=num_drafts, seq_lens=computed + np.diff(query_start))
 
     def make_chooser(self, plan: RoundPlan) -> "DraftChooser":
         runner = self.runner
@@ -370,6 +379,63 @@ class LoopSpecDrafter:
         if chooser.q is not None:
             runner._draft_probs = chooser.q
             runner._draft_prob_req_ids = [runner.input_batch.req_ids[r] for r in plan.layout.spec_rows]
+
+    # -- the pipelined step (RFC §7) -------------------------------------------
+    def run_pipelined_step(self, layout: StepLayout, input_ids, positions, spec_metadata, common) -> torch.Tensor:
+        """The model forward of a pipelined step: every slot verified at
+        depth ``R`` inside the step, the chain handed to vLLM as its drafts."""
+        from vllm.forward_context import get_forward_context
+
+        runner = self.runner
+        attn_group, device, slot_mapping = runner.attn_groups[0][0], runner.device, common.slot_mapping
+
+        def attention(entries: list[Entry]) -> TickAttention:
+            flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+            return tick_attention(common, attn_group, device,
+                                  np.array([e.count for e in entries], np.int32),
+                                  np.array([e.seq_len for e in entries], np.int64),
+                                  np.array([e.row for e in entries], np.int64),
+                                  slot_mapping[torch.from_numpy(flat).to(device)])
+
+        schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops)
+        model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
+        try:
+            output = run_pipelined(schedule, model, GreedyDecider(), attention, input_ids, positions,
+                                   self.pipeline_override(layout))
+        finally:
+            model.restore()
+        self.hand_off_chain(layout, output, spec_metadata)
+        return output.hidden_states
+
+    def pipeline_override(self, layout: StepLayout):
+        """Test hook (:class:`~.debug.DebugLoopSpecDrafter`): a replacement
+        for first proposals, ``(row, slot, token) -> token``."""
+        return None
+
+    def hand_off_chain(self, layout: StepLayout, output: PipelineOutput, spec_metadata) -> None:
+        """The verified chain as the step's drafts (and, for penalties and
+        bad words, the sampling metadata's ``spec_token_ids``); counts."""
+        drafts = torch.tensor(output.drafts, dtype=spec_metadata.draft_token_ids.dtype)
+        spec_metadata.draft_token_ids.copy_(drafts.to(spec_metadata.draft_token_ids.device))
+        meta = self.runner.input_batch.sampling_metadata
+        if meta.spec_token_ids is not None and (meta.bad_words_token_ids or not meta.no_penalties):
+            offset = 0
+            for row in layout.spec_rows:
+                k = int(layout.num_drafts[row])
+                meta.spec_token_ids[row][:] = output.drafts[offset: offset + k]
+                offset += k
+        # vLLM will see every draft accepted (the chain is verified): the
+        # engine's acceptance counts first proposals that survived instead.
+        self._last_num_drafts = None
+        stats, counts = self.stats, output.counts
+        num_drafts = layout.num_drafts[layout.spec_rows]
+        stats.rounds += 1
+        stats.speculating_rows += len(num_drafts)
+        stats.drafted_tokens += int(num_drafts.sum())
+        stats.count_positions(num_drafts, counts.first_accepted)
+        stats.pipelined_ticks += counts.ticks
+        stats.pipelined_restarts += counts.restarts
+        stats.pipelined_pruned += counts.pruned
 
     def _count_round(self, plan: RoundPlan) -> None:
         num_drafts = plan.layout.num_drafts
@@ -419,6 +485,41 @@ class _ServedModel:
     def deep(self, shallow_states, positions):
         self.stats.count_loop_rows(range(self.d, self.loops), shallow_states.shape[0])
         return self.model.model.run_loops(shallow_states, positions, self.d, self.loops)
+
+    def logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+class _PipelineServedModel:
+    """The pipeline's view of the served model: each pass points every
+    layer of each group's loop at that group's attention (restored after
+    the step), then runs one mixed-loop tick."""
+
+    def __init__(self, model, context, stats) -> None:
+        from vllm_loopspec.models.ouro import kv_layer_name
+
+        self.model = model
+        self.context = context
+        self.stats = stats
+        n = model.config.num_hidden_layers
+        self.names = [[kv_layer_name(u, i, n) for i in range(n)] for u in range(model.num_loops)]
+        every = [name for names in self.names for name in names]
+        self.saved = ({n: context.attn_metadata[n] for n in every}, {n: context.slot_mapping[n] for n in every})
+
+    def restore(self) -> None:
+        self.context.attn_metadata.update(self.saved[0])
+        self.context.slot_mapping.update(self.saved[1])
+
+    def embed(self, token_ids):
+        return self.model.embed_input_ids(token_ids)
+
+    def tick(self, hidden, positions, groups):
+        from vllm_loopspec.models.ouro import LoopGroup
+
+        for loop, start, end, attention in groups:
+            attention.activate(self.names[loop], self.context)
+            self.stats.count_loop_rows(range(loop, loop + 1), end - start)
+        return self.model.model.run_tick(hidden, positions, [LoopGroup(u, s, e) for u, s, e, _ in groups])
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden)

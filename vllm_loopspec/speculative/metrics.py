@@ -65,6 +65,9 @@ COUNTERS = (
                 "with fewer drafts, padding): computed, no KV written.", "vector", "loop"),
     CounterSpec("drafted_per_pos", "Rounds that drafted each position.", "vector", "position"),
     CounterSpec("accepted_per_pos", "Rounds whose draft at each position was accepted.", "vector", "position"),
+    CounterSpec("pipelined_ticks", "Ticks of pipelined steps (every in-flight token advances draft_loops loops)."),
+    CounterSpec("pipelined_restarts", "Pipelined successors replaced at verification (restarted at loop 0)."),
+    CounterSpec("pipelined_pruned", "In-flight pipelined tokens discarded with a replaced ancestor."),
     CounterSpec("skipped", "Request-steps that decoded one token without drafting, by reason.", "labelled",
                 "reason", metric="skipped_rows"),
 )
@@ -82,6 +85,9 @@ class LoopSpecStats:
     masked_rows_per_loop: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)  # index = draft position j-1
     accepted_per_pos: list[int] = field(default_factory=list)
+    pipelined_ticks: int = 0
+    pipelined_restarts: int = 0
+    pipelined_pruned: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> request-steps
 
     def count_loop_rows(self, loops: range, rows: int, masked: int = 0) -> None:
@@ -97,6 +103,20 @@ class LoopSpecStats:
             for j in range(n):
                 per_pos[j] += 1
         self.accepted_tokens += num_accepted
+
+    def count_positions(self, num_drafts, accepted_per_pos) -> None:
+        """Drafts per position of rows drafting ``num_drafts`` each, and
+        ``accepted_per_pos`` accepted at each position (not a prefix: a
+        pipelined step keeps or replaces each position on its own)."""
+        width = int(max(num_drafts, default=0))
+        _grow(self.drafted_per_pos, width)
+        _grow(self.accepted_per_pos, width)
+        for k in num_drafts:
+            for j in range(int(k)):
+                self.drafted_per_pos[j] += 1
+        for j, a in enumerate(accepted_per_pos):
+            self.accepted_per_pos[j] += int(a)
+        self.accepted_tokens += int(sum(accepted_per_pos))
 
     def as_dict(self) -> dict:
         out = {}

@@ -24,7 +24,9 @@ DEFAULT_MAX_SPECULATIVE_TOKENS = 8
 # checkpoint directory; ``"draft_loops": "auto"`` reads its ``draft_loops``.
 CALIBRATION_FILE = "loopspec_calibration.json"
 ALLOWED_KEYS = {"method", "num_speculative_tokens", "max_speculative_tokens", "adaptive", "draft_loops",
-                "skip_logprobs_requests"}
+                "skip_logprobs_requests", "schedule"}
+SCHEDULES = ("round", "pipelined")
+DEFAULT_SCHEDULE = "round"
 
 
 class LoopSpecConfigError(ValueError):
@@ -49,6 +51,11 @@ class LoopSpecOptions:
     skip_logprobs_requests: bool = True
     """Requests asking for logprobs decode one token per step (counted as
     skipped) so their logprobs are exactly those of native decoding."""
+    schedule: str = DEFAULT_SCHEDULE
+    """``"round"``: draft K with loops ``[0, d)``, then verify them at once
+    (:mod:`.round`). ``"pipelined"``: every token proposes its successor at
+    depth ``d`` and is verified at depth R while later tokens are in flight
+    (:mod:`.pipeline`, RFC §7); K fixed (no adaptive policy)."""
 
     @property
     def draft_slots(self) -> int:
@@ -130,9 +137,19 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "checkpoint or choose another speculative method."
         )
     loops = hf_config.total_ut_steps
-    adaptive = raw.get("adaptive", True)
+    schedule = raw.get("schedule", DEFAULT_SCHEDULE)
+    if schedule not in SCHEDULES:
+        raise LoopSpecConfigError(
+            f"loopspec schedule must be one of {list(SCHEDULES)}, got {schedule!r}; "
+            '"round" drafts K then verifies them at once, "pipelined" overlaps drafting and verification.')
+    # The adaptive policy prices rounds; a pipelined step runs a fixed K.
+    adaptive = raw.get("adaptive", schedule == "round")
     if not isinstance(adaptive, bool):
         raise LoopSpecConfigError(f"loopspec adaptive must be true or false, got {adaptive!r}.")
+    if adaptive and schedule == "pipelined":
+        raise LoopSpecConfigError(
+            'loopspec "schedule": "pipelined" runs a fixed K per step and the adaptive policy prices only '
+            'rounds; drop "adaptive" (or set it to false) with "pipelined", or use "schedule": "round".')
     k = raw.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     if not _positive_int(k) or k < 1:
         raise LoopSpecConfigError(
@@ -180,4 +197,4 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
     if not isinstance(skip, bool):
         raise LoopSpecConfigError(f"loopspec skip_logprobs_requests must be true or false, got {skip!r}.")
     return LoopSpecOptions(num_speculative_tokens=k, max_speculative_tokens=k_max, adaptive=adaptive,
-                           draft_loops=d, skip_logprobs_requests=skip)
+                           draft_loops=d, skip_logprobs_requests=skip, schedule=schedule)

@@ -112,6 +112,32 @@ def padded_rows(num_rows: int, buckets: list[int] | None) -> int:
     return num_rows
 
 
+def tick_attention(common, attn_group, device: torch.device, query_lens: np.ndarray, seq_lens: np.ndarray,
+                   rows: np.ndarray, slots: torch.Tensor, masked_rows: int = 0) -> TickAttention:
+    """Attention metadata of one tick (or one loop group of a tick): request
+    rows ``rows`` of the step (their block tables), ``query_lens`` tokens
+    each ending at ``seq_lens``, writing KV at ``slots``; built by the
+    runner's own builder from the step's ``CommonAttentionMetadata``."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    qsl_cpu = torch.from_numpy(qsl)
+    sub = CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device, non_blocking=True),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=torch.from_numpy(np.asarray(seq_lens)).to(common.seq_lens.dtype).to(device, non_blocking=True),
+        num_reqs=len(rows),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=int(np.max(query_lens, initial=0)),
+        max_seq_len=int(np.max(seq_lens, initial=0)),
+        block_table_tensor=common.block_table_tensor[torch.from_numpy(np.asarray(rows)).to(device, non_blocking=True)],
+        slot_mapping=slots,
+        causal=True,
+    )
+    return TickAttention(attn_group.build_metadata(sub), slots, masked_rows)
+
+
 def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
                row_buckets: list[int] | None = None) -> RoundPlan:
     """Plan the step's ticks. ``common`` is the step's
@@ -119,31 +145,12 @@ def build_plan(layout: StepLayout, common, attn_group, device: torch.device,
     runner's attention group of the KV cache group (all loops share one).
     With ``row_buckets``, draft ticks are padded to a bucket size (fixed
     shapes for graph capture); padding rows belong to no request."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     n = layout.num_tokens
-    seq_dtype = common.seq_lens.dtype
-    block_table = common.block_table_tensor
     slot_mapping = common.slot_mapping
 
     def tick(query_lens: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, slots: torch.Tensor,
              masked_rows: int = 0) -> TickAttention:
-        qsl = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum(query_lens, out=qsl[1:])
-        qsl_cpu = torch.from_numpy(qsl)
-        sub = CommonAttentionMetadata(
-            query_start_loc=qsl_cpu.to(device, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu,
-            seq_lens=torch.from_numpy(seq_lens).to(seq_dtype).to(device, non_blocking=True),
-            num_reqs=len(rows),
-            num_actual_tokens=int(qsl[-1]),
-            max_query_len=int(query_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
-            block_table_tensor=block_table[torch.from_numpy(rows).to(device, non_blocking=True)],
-            slot_mapping=slots,
-            causal=True,
-        )
-        return TickAttention(attn_group.build_metadata(sub), slots, masked_rows)
+        return tick_attention(common, attn_group, device, query_lens, seq_lens, rows, slots, masked_rows)
 
     def on_device(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)

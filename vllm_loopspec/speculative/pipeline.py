@@ -1,0 +1,278 @@
+"""The pipelined step (issue 12, RFC §7): every in-flight token of every
+request advances ``d1`` loops per tick, drafting and verification overlap.
+
+vLLM schedules, for a speculating request, ``[A, c_1..c_K]`` (``A`` the last
+committed token, not yet forwarded). A round (:mod:`.round`) drafts all
+``c_j`` with loops ``[0, d)`` and then verifies them at once; a rejection at
+``c_j`` is found only after every later draft was paid for. Here instead:
+
+* ``A`` (and every other non-draft token of the step: prefill chunks, plain
+  decodes) enters loop 0 at tick 0;
+* a token that reaches depth ``d1`` *proposes* its successor (greedy: the
+  argmax of its depth-``d1`` logits; sampled: a draw from the processed
+  ``q``), which enters loop 0 at the next tick, beside its predecessor;
+* a token that reaches depth ``R`` *verifies* its successor with its target
+  distribution ``p`` (greedy: the successor must be ``argmax p``; sampled:
+  accepted with ``min(1, p/q)``, else replaced by a draw from
+  ``norm(max(p - q, 0))``). A replaced successor restarts at loop 0 in the
+  next tick at the same position and KV slot (its passes overwrite every
+  loop's stale entries), and everything drafted after it is pruned.
+
+The step ends when every slot holds a verified token at depth ``R``: vLLM
+then gets the chain as the step's drafts and the loop-``R`` states of every
+slot for its logits. Its rejection sampler stays the arbiter: greedy, every
+handed draft is the target argmax and is accepted (unless a logits processor
+vLLM applies to the target, e.g. a penalty, disagrees: then it rejects, which
+is still exact); sampled, the draft distribution handed over for slot ``j``
+is ``p_{j-1}`` itself (the chain token was drawn from it by the lossless
+cascade above), so vLLM accepts it with probability ``p/p = 1`` and the
+committed tokens follow the target.
+
+Two tokens of one request are never at the same loop in one pass (a
+successor starts only after its predecessor left loop ``d1 - 1``), so the
+rows of a loop group hold at most one pipelined token per request, and a
+token at loop ``u`` reads loop-``u`` KV its predecessors wrote in earlier
+ticks. The schedule's state (:class:`PipelineSchedule`) lives on the host
+and is pure Python; :func:`run_pipelined` does the tensor work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from vllm_loopspec.speculative.plan import StepLayout, TickAttention
+
+NOT_STARTED = -1
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Tokens ``[start, start + count)`` (flat) of request row ``row``, all at
+    one loop in one pass; ``seq_len``: the row's length through the last."""
+
+    row: int
+    start: int
+    count: int
+    seq_len: int
+
+
+@dataclass
+class PipelineCounts:
+    """What one step's pipeline did (for the metrics and the benchmarks)."""
+
+    ticks: int = 0
+    passes: int = 0  # run_tick calls
+    restarts: int = 0  # successors replaced at verification
+    pruned: int = 0  # in-flight tokens discarded with a replaced ancestor
+    first_accepted: list[int] = field(default_factory=list)  # per slot j-1: first proposals kept, summed over rows
+
+
+class PipelineSchedule:
+    """Host state of one step's pipeline: the depth and token of every slot
+    of every speculating row. Pure Python; :func:`run_pipelined` asks it
+    what each pass runs and tells it what the logits decided."""
+
+    def __init__(self, layout: StepLayout, num_loops: int, draft_loops: int) -> None:
+        if not 1 <= draft_loops < num_loops:
+            raise ValueError(f"draft_loops must be in [1, {num_loops}), got {draft_loops}")
+        self.layout = layout
+        self.R = num_loops
+        self.d1 = draft_loops
+        self.spec_rows = layout.spec_rows.tolist()
+        self.num_drafts = {r: int(layout.num_drafts[r]) for r in self.spec_rows}
+        self.anchor = {r: int(layout.anchors[r]) for r in self.spec_rows}
+        # Base tokens (every row's non-draft tokens, A included) share one depth.
+        self.base_depth = 0
+        ends = layout.query_start[1:] - layout.num_drafts
+        self.base_entries = [
+            Entry(r, int(layout.query_start[r]), int(ends[r] - layout.query_start[r]),
+                  int(layout.seq_lens[r] - layout.num_drafts[r]))
+            for r in range(layout.num_rows) if ends[r] > layout.query_start[r]]
+        # Slot j = 1..K_i of each speculating row (index j - 1).
+        self.depth = {r: [NOT_STARTED] * self.num_drafts[r] for r in self.spec_rows}
+        self.token = {r: [0] * self.num_drafts[r] for r in self.spec_rows}
+        self.first = {r: [False] * self.num_drafts[r] for r in self.spec_rows}  # still its first proposal
+        self.counts = PipelineCounts(first_accepted=[0] * layout.max_drafts)
+
+    # -- where things are --------------------------------------------------------
+    def flat(self, row: int, slot: int) -> int:
+        """Flat index of slot ``slot`` (0 = ``A``) of speculating row ``row``."""
+        return self.anchor[row] + slot
+
+    def slot_depth(self, row: int, slot: int) -> int:
+        return self.base_depth if slot == 0 else self.depth[row][slot - 1]
+
+    @property
+    def done(self) -> bool:
+        return self.base_depth >= self.R and all(d >= self.R for ds in self.depth.values() for d in ds)
+
+    def passes(self) -> list[list[tuple[int, list[Entry]]]]:
+        """The next tick's passes: per pass, ``(loop, entries)`` groups in
+        ascending loop, entries in row order."""
+        out = []
+        for s in range(self.d1):
+            by_loop: dict[int, list[Entry]] = {}
+            if self.base_depth + s < self.R:
+                by_loop.setdefault(self.base_depth + s, []).extend(self.base_entries)
+            for r in self.spec_rows:
+                base_seq = int(self.layout.seq_lens[r] - self.layout.num_drafts[r])
+                for j, d in enumerate(self.depth[r], start=1):
+                    if d != NOT_STARTED and d + s < self.R:
+                        by_loop.setdefault(d + s, []).append(Entry(r, self.flat(r, j), 1, base_seq + j))
+            if not by_loop:
+                break
+            out.append([(u, sorted(by_loop[u], key=lambda e: e.row)) for u in sorted(by_loop)])
+        return out
+
+    def finish_tick(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Advance every running token by ``d1`` loops. Returns the slots
+        ``(row, slot)`` that now *propose* (just reached depth ``d1``, with a
+        successor slot) and those that now *verify* (just reached ``R``,
+        with a successor slot), in row order."""
+        self.counts.ticks += 1
+        propose, verify = [], []
+
+        def advance(row: int, slot: int, depth: int) -> int:
+            new = min(depth + self.d1, self.R)
+            if slot < self.num_drafts.get(row, 0):
+                if depth < self.d1 <= new:
+                    propose.append((row, slot))
+                if new == self.R:
+                    verify.append((row, slot))
+            return new
+
+        if self.base_depth < self.R:
+            for r in self.spec_rows:
+                advance(r, 0, self.base_depth)
+            self.base_depth = min(self.base_depth + self.d1, self.R)
+        for r in self.spec_rows:
+            ds = self.depth[r]
+            for j, d in enumerate(ds, start=1):
+                if d != NOT_STARTED and d < self.R:
+                    ds[j - 1] = advance(r, j, d)
+        propose.sort()
+        verify.sort()
+        return propose, verify
+
+    def proposed(self, row: int, slot: int, token: int) -> None:
+        """``token`` is the first proposal for ``slot + 1``: it enters loop 0."""
+        self.token[row][slot] = token
+        self.depth[row][slot] = 0
+        self.first[row][slot] = True
+
+    def verified(self, row: int, slot: int, token: int) -> bool:
+        """Slot ``slot``'s target decided ``token`` for ``slot + 1``. Returns
+        whether the successor was kept; if not, it restarts with ``token``
+        and every slot after it is pruned."""
+        if self.token[row][slot] == token and self.depth[row][slot] != NOT_STARTED:
+            return True
+        self.counts.restarts += 1
+        self.token[row][slot] = token
+        self.depth[row][slot] = 0
+        self.first[row][slot] = False
+        for k in range(slot + 1, self.num_drafts[row]):
+            if self.depth[row][k] != NOT_STARTED:
+                self.counts.pruned += 1
+            self.depth[row][k] = NOT_STARTED
+        return False
+
+    def drafts(self) -> list[int]:
+        """The verified chain in vLLM's flat draft order (row by row)."""
+        self.counts.first_accepted = [0] * self.layout.max_drafts
+        out = []
+        for r in self.spec_rows:
+            out.extend(self.token[r])
+            for j, first in enumerate(self.first[r]):
+                self.counts.first_accepted[j] += int(first)
+        return out
+
+
+class PipelineModel(Protocol):
+    """What the pipeline needs of the served model and the step's context."""
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def tick(self, hidden: torch.Tensor, positions: torch.Tensor,
+             groups: Sequence[tuple[int, int, int, TickAttention]]) -> torch.Tensor:
+        """One pass: rows ``[start, end)`` at ``loop`` under ``attention``
+        for each ``(loop, start, end, attention)``."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class Decider(Protocol):
+    """Proposes and verifies tokens from logits (greedy or sampled)."""
+
+    def propose(self, logits: torch.Tensor, slots: list[tuple[int, int]]) -> list[int]: ...
+
+    def verify(self, logits: torch.Tensor, slots: list[tuple[int, int]], proposals: list[int]) -> list[int]: ...
+
+
+class GreedyDecider:
+    def propose(self, logits, slots):
+        return logits.argmax(dim=-1).tolist()
+
+    def verify(self, logits, slots, proposals):
+        return logits.argmax(dim=-1).tolist()
+
+
+@dataclass
+class PipelineOutput:
+    hidden_states: torch.Tensor  # [num_tokens, H] loop-R exit states
+    drafts: list[int]  # vLLM's flat draft order
+    counts: PipelineCounts
+
+
+def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Decider,
+                  attention: Callable[[list[Entry]], TickAttention],
+                  input_ids: torch.Tensor, positions: torch.Tensor,
+                  override: Callable[[int, int, int], int] | None = None) -> PipelineOutput:
+    """Run the step's ticks until every slot is verified at depth ``R``.
+    ``attention(entries)`` builds one loop group's attention metadata;
+    ``override(row, slot, token)`` (tests) replaces first proposals."""
+    n = schedule.layout.num_tokens
+    token_ids = input_ids[:n].clone()
+    states: torch.Tensor | None = None
+    while not schedule.done:
+        for groups in schedule.passes():
+            index, spans, start = [], [], 0
+            for loop, entries in groups:
+                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+                index.append(flat)
+                spans.append((loop, start, start + len(flat), attention(entries)))
+                start += len(flat)
+            flat_all = torch.from_numpy(np.concatenate(index)).to(token_ids.device)
+            first_loop, _, first_end, _ = spans[0]
+            if first_loop == 0:  # tokens entering the stack: their embeddings
+                hidden = model.embed(token_ids[flat_all[:first_end]])
+                if states is None:
+                    states = hidden.new_empty((n, hidden.shape[-1]))
+                if first_end < start:
+                    hidden = torch.cat([hidden, states[flat_all[first_end:]]])
+            else:
+                hidden = states[flat_all]
+            states[flat_all] = model.tick(hidden, positions[flat_all], spans)
+            schedule.counts.passes += 1
+        propose, verify = schedule.finish_tick()
+        if not propose and not verify:
+            continue
+        slots = propose + verify
+        logits = model.logits(states[torch.tensor([schedule.flat(r, j) for r, j in slots],
+                                                  device=states.device)])
+        if propose:
+            for (r, j), token in zip(propose, decide.propose(logits[: len(propose)], propose)):
+                if override is not None:
+                    token = override(r, j + 1, token)
+                schedule.proposed(r, j, token)
+                token_ids[schedule.flat(r, j + 1)] = token
+        if verify:
+            proposals = [schedule.token[r][j] for r, j in verify]
+            for (r, j), token in zip(verify, decide.verify(logits[len(propose):], verify, proposals)):
+                if not schedule.verified(r, j, token):
+                    token_ids[schedule.flat(r, j + 1)] = token
+    drafts = schedule.drafts()
+    return PipelineOutput(hidden_states=states, drafts=drafts, counts=schedule.counts)
