@@ -142,9 +142,11 @@ def test_preemption_by_recompute_keeps_output_exact(tiny_checkpoint, native_llm,
     check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer)
 
 
-def check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer, **engine_overrides) -> None:
-    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2, "adaptive": False},
-                   num_gpu_blocks_override=6, max_model_len=512, **engine_overrides)
+def check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer, speculative: dict | None = None,
+                                        **engine_overrides) -> None:
+    spec = {"method": "loopspec", "num_speculative_tokens": K, "draft_loops": 2, "adaptive": False,
+            **(speculative or {})}
+    llm = make_llm(tiny_checkpoint, spec, num_gpu_blocks_override=6, max_model_len=512, **engine_overrides)
     prompts = [long_prompt(120 + 10 * i, tokenizer) + SHORT[i] for i in range(5)]
     params = SamplingParams(max_tokens=110, temperature=0, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -8,6 +8,11 @@ set it). All hooks are off (``None``) until a caller sets them:
   greedy drafts (force acceptance or rejection at a chosen position);
 * ``trace``: a list; each round appends ``{req_id: {"prefix", "tokens",
   "positions", "slots"}}`` (tokens are ``[A, c_1..c_K]``);
+* ``pipeline_trace``: a list; every pass of a pipelined step appends, for
+  each pipelined token (a draft slot) it ran, ``{"req_id", "loop",
+  "position", "chain", "state"}`` (``chain``: the tokens ``[A, .., x]``
+  the token's state depends on, from ``A`` through itself; ``state``: its
+  exit state of ``loop``), pruned tokens included;
 * ``profile``: a dict; each round adds wall seconds per phase ("plan",
   "base", "draft", "draft_logits", "draft_choose", "draft_host", "verify").
 
@@ -32,6 +37,7 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
         self.draft_override = None
         self.trace: list[dict] | None = None
         self.profile: dict[str, float] | None = None
+        self.pipeline_trace: list[dict] | None = None
 
     # -- profile -----------------------------------------------------------------
     def _add(self, phase: str, seconds: float) -> None:
@@ -96,6 +102,25 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
         req_ids = self.runner.input_batch.req_ids
         anchor_pos = (layout.seq_lens - layout.num_drafts - 1).tolist()
         return lambda row, slot, token: override(req_ids[row], slot, int(token), anchor_pos[row])
+
+    def pipeline_observer(self, layout, positions):
+        if self.pipeline_trace is None:
+            return None
+        trace, req_ids = self.pipeline_trace, list(self.runner.input_batch.req_ids)
+        anchors = layout.anchors
+        spec = set(layout.spec_rows.tolist())
+
+        def observe(groups, token_ids, states):
+            for loop, entries in groups:
+                for e in entries:
+                    if e.row not in spec or e.start <= anchors[e.row]:
+                        continue  # base tokens (A, prefill chunks) are checked by the round's tests
+                    a = int(anchors[e.row])
+                    trace.append({"req_id": req_ids[e.row], "loop": loop, "position": int(positions[e.start]),
+                                  "chain": token_ids[a: e.start + 1].tolist(),
+                                  "state": states[e.start].detach().clone()})
+
+        return observe
 
     def run_step(self, input_ids, positions, spec_metadata, common):
         hidden = super().run_step(input_ids, positions, spec_metadata, common)

@@ -31,7 +31,7 @@ import torch
 from vllm_loopspec.speculative.adaptive import SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
-                                                 run_pipelined)
+                                                 SampledDecider, run_pipelined)
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.metrics import LoopSpecStats
@@ -314,9 +314,8 @@ class LoopSpecDrafter:
         """The model forward of a step with drafts: returns loop-``R`` exit
         states of every scheduled token, with the drafts handed to vLLM."""
         if self.options.schedule == "pipelined":
-            layout = self.layout(spec_metadata, common)
-            if not (self.runner.input_batch.temperature_cpu[layout.spec_rows] > 0).any():
-                return self.run_pipelined_step(layout, input_ids, positions, spec_metadata, common)
+            return self.run_pipelined_step(self.layout(spec_metadata, common), input_ids, positions,
+                                           spec_metadata, common)
         plan = self.plan(spec_metadata, common)
         chooser = self.make_chooser(plan)
         output = self.execute(plan, chooser, input_ids, positions)
@@ -399,17 +398,70 @@ class LoopSpecDrafter:
 
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
+        decider = self._pipeline_decider(layout)
         try:
-            output = run_pipelined(schedule, model, GreedyDecider(), attention, input_ids, positions,
-                                   self.pipeline_override(layout))
+            output = run_pipelined(schedule, model, decider, attention, input_ids, positions,
+                                   self.pipeline_override(layout), self.pipeline_observer(layout, positions))
         finally:
             model.restore()
         self.hand_off_chain(layout, output, spec_metadata)
+        if isinstance(decider, SampledDecider):
+            self._hand_off_targets(layout, output, decider)
         return output.hidden_states
+
+    def _pipeline_decider(self, layout: StepLayout):
+        batch = self.runner.input_batch
+        sampled = {int(r): bool(batch.temperature_cpu[r] > 0) for r in layout.spec_rows}
+        if not any(sampled.values()):
+            return GreedyDecider()
+        meta = batch.sampling_metadata
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+        def process(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+            """As vLLM's rejection sampler processes the target: temperature,
+            top-k, top-p, softmax (greedy rows: temperature 1, unused)."""
+            index = torch.tensor(rows, device=logits.device)
+            temperature = meta.temperature[index].float()
+            temperature = torch.where(temperature > 0, temperature, 1.0)
+            top_k = meta.top_k[index] if meta.top_k is not None else None
+            top_p = meta.top_p[index] if meta.top_p is not None else None
+            return apply_top_k_top_p(logits.float() / temperature.unsqueeze(-1), top_k, top_p).softmax(
+                dim=-1, dtype=torch.float32)
+
+        generators = {r: meta.generators[r] for r in sampled if sampled[r] and r in meta.generators}
+        return SampledDecider(process, sampled, generators)
+
+    def _hand_off_targets(self, layout: StepLayout, output: PipelineOutput, decider: SampledDecider) -> None:
+        """vLLM's draft probabilities for a pipelined chain: for a sampled
+        row, the target distribution each draft was decided from (so vLLM's
+        ``p/q`` is 1 and it keeps the chain, or, where a logits processor
+        of its own changed ``p``, runs an exact speculative step against
+        it); for a greedy row, a one-hot at its draft (ignored)."""
+        runner = self.runner
+        spec_rows = layout.spec_rows.tolist()
+        vocab = next(iter(decider.target.values())).shape[-1] if decider.target else None
+        if vocab is None:
+            return
+        probs = torch.zeros((len(spec_rows), layout.max_drafts, vocab), dtype=torch.float32, device=runner.device)
+        offset = 0
+        for s, row in enumerate(spec_rows):
+            for j in range(int(layout.num_drafts[row])):
+                target = decider.target.get((row, j))
+                if target is None:
+                    probs[s, j, output.drafts[offset + j]] = 1.0
+                else:
+                    probs[s, j] = target
+            offset += int(layout.num_drafts[row])
+        runner._draft_probs = probs
+        runner._draft_prob_req_ids = [runner.input_batch.req_ids[r] for r in spec_rows]
 
     def pipeline_override(self, layout: StepLayout):
         """Test hook (:class:`~.debug.DebugLoopSpecDrafter`): a replacement
         for first proposals, ``(row, slot, token) -> token``."""
+        return None
+
+    def pipeline_observer(self, layout: StepLayout, positions):
+        """Test hook (:class:`~.debug.DebugLoopSpecDrafter`): sees every pass."""
         return None
 
     def hand_off_chain(self, layout: StepLayout, output: PipelineOutput, spec_metadata) -> None:

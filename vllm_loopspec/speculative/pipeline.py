@@ -220,6 +220,75 @@ class GreedyDecider:
         return logits.argmax(dim=-1).tolist()
 
 
+class SampledDecider:
+    """Sampled (and mixed) rows: a proposal is a draw from the processed
+    shallow distribution ``q``; verification accepts it with
+    ``min(1, p/q)``, else draws from ``norm(max(p - q, 0))`` (the standard
+    speculative sampling step, so the decided token follows ``p``). Greedy
+    rows take argmaxes. ``process(logits, rows)`` turns logits into the
+    distribution vLLM's rejection sampler would (temperature, top-k,
+    top-p); ``generators``: per row, a seeded request's generator.
+
+    :attr:`target` keeps, per ``(row, slot)``, the distribution ``p`` the
+    slot's successor was decided from: the draft distribution vLLM's
+    rejection sampler gets for that draft (the decided token was drawn
+    from it, so ``p/q = 1`` there and vLLM accepts it)."""
+
+    def __init__(self, process: Callable[[torch.Tensor, list[int]], torch.Tensor], sampled: dict[int, bool],
+                 generators: dict[int, torch.Generator]) -> None:
+        self.process = process
+        self.sampled = sampled
+        self.generators = generators
+        self.proposal_q: dict[tuple[int, int], torch.Tensor] = {}
+        self.target: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _uniform(self, row: int, shape, device) -> torch.Tensor:
+        out = torch.empty(shape, device=device)
+        return out.uniform_(generator=self.generators[row]) if row in self.generators else out.uniform_()
+
+    def _draw(self, probs: torch.Tensor, row: int) -> int:
+        # The exponential race (as DraftChooser): argmax p_i / E_i, E_i ~ Exp(1).
+        noise = self._uniform(row, probs.shape, probs.device).clamp_min_(1e-30).log_().neg_()
+        return int((probs / noise).argmax())
+
+    def propose(self, logits, slots):
+        rows = [r for r, _ in slots]
+        greedy = logits.argmax(dim=-1).tolist()
+        if not any(self.sampled[r] for r in rows):
+            return greedy
+        q = self.process(logits, rows)
+        out = []
+        for i, (r, j) in enumerate(slots):
+            if self.sampled[r]:
+                self.proposal_q[(r, j)] = q[i]
+                out.append(self._draw(q[i], r))
+            else:
+                out.append(greedy[i])
+        return out
+
+    def verify(self, logits, slots, proposals):
+        rows = [r for r, _ in slots]
+        greedy = logits.argmax(dim=-1).tolist()
+        if not any(self.sampled[r] for r in rows):
+            return greedy
+        p = self.process(logits, rows)
+        out = []
+        for i, ((r, j), c) in enumerate(zip(slots, proposals)):
+            if not self.sampled[r]:
+                out.append(greedy[i])
+                continue
+            self.target[(r, j)] = p[i]
+            q = self.proposal_q.pop((r, j))
+            u = float(self._uniform(r, (1,), p.device))
+            if float(q[c]) > 0 and u * float(q[c]) < float(p[i, c]):
+                out.append(c)
+                continue
+            residual = (p[i] - q).clamp_min_(0.0)
+            total = float(residual.sum())
+            out.append(self._draw(residual / total if total > 0 else p[i], r))
+        return out
+
+
 @dataclass
 class PipelineOutput:
     hidden_states: torch.Tensor  # [num_tokens, H] loop-R exit states
@@ -230,10 +299,14 @@ class PipelineOutput:
 def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Decider,
                   attention: Callable[[list[Entry]], TickAttention],
                   input_ids: torch.Tensor, positions: torch.Tensor,
-                  override: Callable[[int, int, int], int] | None = None) -> PipelineOutput:
+                  override: Callable[[int, int, int], int] | None = None,
+                  on_pass: Callable[[list[tuple[int, list[Entry]]], torch.Tensor, torch.Tensor], None] | None = None,
+                  ) -> PipelineOutput:
     """Run the step's ticks until every slot is verified at depth ``R``.
-    ``attention(entries)`` builds one loop group's attention metadata;
-    ``override(row, slot, token)`` (tests) replaces first proposals."""
+    ``attention(entries)`` builds one loop group's attention metadata.
+    Test hooks: ``override(row, slot, token)`` replaces first proposals;
+    ``on_pass(groups, token_ids, states)`` sees every pass just after it ran
+    (the step's current tokens and newest states by flat index)."""
     n = schedule.layout.num_tokens
     token_ids = input_ids[:n].clone()
     states: torch.Tensor | None = None
@@ -257,6 +330,8 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                 hidden = states[flat_all]
             states[flat_all] = model.tick(hidden, positions[flat_all], spans)
             schedule.counts.passes += 1
+            if on_pass is not None:
+                on_pass(groups, token_ids, states)
         propose, verify = schedule.finish_tick()
         if not propose and not verify:
             continue

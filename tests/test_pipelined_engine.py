@@ -1,0 +1,279 @@
+"""The pipelined step (issue 12, RFC §7) in vLLM's engine: greedy output
+equals native, every in-flight token's state (pruned ones included) equals
+a serial full-depth pass over its chain, forced rejection at every stage
+commits the right tokens and KV, sampled output keeps the target
+distribution, and cancellation and preemption free every KV block.
+
+The schedule itself (no engine) is checked first: tick counts at full
+acceptance, one token per request per loop group, and that a token at loop
+``u`` only ever runs after every earlier slot of its request has written
+its loop-``u`` KV since its own last restart."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+
+from conftest import make_llm
+from engine_access import engine_core, model_runner, read_kv, skip_unless_kv_readable
+from prompts import SHORT
+from test_loopspec_greedy import BUDGETS, native_outputs
+from test_loopspec_sampling import build_v16, check_target_marginals
+from test_loopspec_serving import check_cancellation_frees_kv, check_preemption_keeps_output_exact
+from test_loopspec_state import _layer_name, _run_steps
+from vllm_loopspec.speculative.pipeline import PipelineSchedule
+from vllm_loopspec.speculative.plan import StepLayout
+
+# (K, d1): every draft depth, K from 1 to 8.
+PIPELINES = [(1, 2), (4, 1), (8, 2), (4, 3)]
+ATOL = 1e-4
+
+
+def pipelined(loopspec_llms, k, d):
+    return loopspec_llms(k, d, schedule="pipelined")
+
+
+# -- the schedule, without an engine ---------------------------------------------
+
+def _layout(rows):
+    """``rows``: per request, (non-draft tokens, K_i, tokens before the step)."""
+    query = np.array([n + k for n, k, _ in rows])
+    start = np.concatenate([[0], np.cumsum(query)])
+    return StepLayout(query_start=start, num_drafts=np.array([k for _, k, _ in rows]),
+                      seq_lens=np.array([c for _, _, c in rows]) + query)
+
+
+def _drive(schedule, truth, wrong_first=frozenset()):
+    """Run ``schedule`` with ``truth[row][slot]`` the target's token for
+    ``slot`` (1-based) and first proposals wrong at ``(row, slot)`` in
+    ``wrong_first``; checks the KV invariant of every pass."""
+    ran = {(r, j): set() for r in schedule.spec_rows for j in range(schedule.num_drafts[r] + 1)}
+    while not schedule.done:
+        for groups in schedule.passes():
+            for loop, entries in groups:
+                assert len({e.row for e in entries}) == len(entries), "two tokens of a request in one group"
+                for e in entries:
+                    if e.row not in schedule.num_drafts:
+                        continue
+                    j = e.start - schedule.anchor[e.row] if e.count == 1 and e.start > schedule.anchor[e.row] else 0
+                    for earlier in range(j):
+                        assert loop in ran[(e.row, earlier)], f"slot {j} at loop {loop} before slot {earlier}"
+                    ran[(e.row, j)].add(loop)
+        propose, verify = schedule.finish_tick()
+        for r, j in propose:
+            token = truth[r][j + 1]
+            schedule.proposed(r, j, token + 1000 if (r, j + 1) in wrong_first else token)
+        for r, j in verify:
+            if not schedule.verified(r, j, truth[r][j + 1]):
+                for k in range(j + 1, schedule.num_drafts[r] + 1):
+                    ran[(r, k)] = set()  # restarted or pruned: its loops run again
+    return schedule.drafts()
+
+
+@pytest.mark.parametrize("d1", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_full_acceptance_takes_k_plus_fill_ticks(k, d1):
+    loops = 4
+    layout = _layout([(1, k, 10), (5, 0, 0), (1, k, 30)])  # a prefill chunk between two speculating rows
+    schedule = PipelineSchedule(layout, loops, d1)
+    truth = {r: list(range(100 * r, 100 * r + k + 1)) for r in (0, 2)}
+    drafts = _drive(schedule, truth)
+    assert drafts == truth[0][1:] + truth[2][1:]
+    assert schedule.counts.ticks == k + math.ceil(loops / d1)
+    assert schedule.counts.restarts == 0
+    assert schedule.counts.first_accepted == [2] * k
+
+
+@pytest.mark.parametrize("d1", [1, 2, 3])
+@pytest.mark.parametrize("wrong", [1, 2, 4, 6])
+def test_a_wrong_proposal_restarts_its_slot_and_prunes_the_rest(wrong, d1):
+    k, loops = 6, 4
+    schedule = PipelineSchedule(_layout([(1, k, 10), (1, k, 12)]), loops, d1)
+    truth = {0: list(range(k + 1)), 1: list(range(50, 51 + k))}
+    drafts = _drive(schedule, truth, wrong_first={(0, wrong)})
+    assert drafts == truth[0][1:] + truth[1][1:]
+    assert schedule.counts.restarts == 1
+    first = schedule.counts.first_accepted
+    assert first[wrong - 1] == 1  # row 1's; row 0's first proposal there was replaced
+    # The restart costs the slot's refill: ceil(R / d1) - 1 more ticks than full acceptance.
+    assert schedule.counts.ticks == k + math.ceil(loops / d1) + math.ceil(loops / d1) - 1
+
+
+def test_every_proposal_wrong_still_commits_the_targets():
+    k, loops = 5, 4
+    schedule = PipelineSchedule(_layout([(1, k, 3)]), loops, 1)
+    truth = {0: list(range(k + 1))}
+    assert _drive(schedule, truth, wrong_first={(0, j) for j in range(1, k + 1)}) == truth[0][1:]
+    assert schedule.counts.restarts == k
+    assert schedule.counts.first_accepted == [0] * k
+
+
+# -- in the engine ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    from conftest import MAX_BATCHED_TOKENS
+    from prompts import MEDIUM, long_prompt
+
+    long_a = long_prompt(MAX_BATCHED_TOKENS + 40, tokenizer)  # chunk-prefilled
+    long_b = long_prompt(2 * MAX_BATCHED_TOKENS + 9, tokenizer)[::-1]
+    return SHORT[:5] + MEDIUM[:1] + [long_a, long_b]
+
+
+@pytest.fixture(scope="module")
+def native_reference(native_llm, prompts):
+    return native_outputs(native_llm, prompts, BUDGETS)
+
+
+@pytest.mark.parametrize("k,d", PIPELINES)
+def test_pipelined_greedy_equals_native(loopspec_llms, prompts, native_reference, k, d):
+    """Width 8 (a batch with two chunk-prefilled prompts) and width 1, for
+    budgets that end mid-pipeline."""
+    llm = pipelined(loopspec_llms, k, d)
+    stats = model_runner(llm).drafter.stats
+    restarts_before = stats.pipelined_restarts
+    for budget in BUDGETS:
+        params = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, d, budget, p[:40])
+        for p in (prompts[0], prompts[6]):
+            out = llm.generate([p], params, use_tqdm=False)[0]
+            assert list(out.outputs[0].token_ids) == native_reference[(p, budget)], (k, d, budget, "width 1")
+    assert stats.pipelined_ticks > 0
+    if k > 1:  # otherwise the equality above would not exercise restarts
+        assert stats.pipelined_restarts > restarts_before
+
+
+def test_in_flight_states_equal_serial_oracle(loopspec_llms, oracle, tokenizer):
+    """Every state every pipelined token had, at every loop, equals a
+    full-depth pass over its chain, including tokens later pruned or
+    replaced; every slot's KV after the step is the committed chain's."""
+    llm = pipelined(loopspec_llms, 4, 1)
+    skip_unless_kv_readable(llm)
+    drafter = model_runner(llm).drafter
+    trace: list[dict] = []
+    drafter.pipeline_trace = trace
+    try:
+        ids = tokenizer(SHORT[5])["input_ids"]
+        _run_steps(llm, ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), lambda: None)
+    finally:
+        drafter.pipeline_trace = None
+    assert trace
+    prompt_len = len(ids)
+    # Each record's chain starts at A, position - len(chain) + 1; the prefix
+    # before A is the prompt plus what was committed before that step.
+    committed = ids + list(llm.generate([{"prompt_token_ids": ids}],
+                                        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                                        use_tqdm=False)[0].outputs[0].token_ids)
+    pruned_or_replaced = 0
+    cache: dict[tuple, object] = {}
+    for rec in trace:
+        a_pos = rec["position"] - len(rec["chain"]) + 1
+        assert a_pos >= prompt_len - 1
+        seq = tuple(committed[:a_pos] + rec["chain"])
+        if seq not in cache:
+            cache[seq] = oracle.trace(torch.tensor(seq))
+        ref = cache[seq]
+        torch.testing.assert_close(rec["state"], ref.hidden[rec["loop"]][0, rec["position"]], atol=ATOL, rtol=0)
+        if list(seq) != committed[: len(seq)]:
+            pruned_or_replaced += 1
+    assert pruned_or_replaced > 0, "no pruned or replaced token was checked"
+
+
+def forcing_wrong_first_proposal(full, vocab, wrong_slot):
+    """First proposals equal the committed sequence except at ``wrong_slot``."""
+    def override(req_id, slot, token, anchor_pos):
+        target = full[anchor_pos + slot]
+        return (target + 1) % vocab if slot == wrong_slot else target
+
+    return override
+
+
+@pytest.mark.parametrize("wrong_slot", [1, 2, 3, 4])
+def test_forced_rejection_at_every_stage(loopspec_llms, native_llm, oracle, tokenizer, wrong_slot):
+    """A wrong first proposal at slot ``wrong_slot`` of every step is
+    replaced inside the step: vLLM accepts the whole chain (frontier
+    ``A + 1 + K``), the output is native's, and the KV of every position
+    at every loop is the committed sequence's (stale entries of the wrong
+    proposal and of its pruned successors were overwritten)."""
+    k = 4
+    llm = pipelined(loopspec_llms, k, 2)
+    runner = model_runner(llm)
+    sched = engine_core(llm).scheduler
+    vocab = runner.model.config.vocab_size
+    prompt_ids = tokenizer(SHORT[3])["input_ids"]
+    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
+    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+                  .outputs[0].token_ids)
+    full = prompt_ids + native
+    drafter = runner.drafter
+    trace: list[dict] = []
+    frontiers, slot_of = [], {}
+    restarts_before = drafter.stats.pipelined_restarts
+    seen = [0]
+
+    def on_step():
+        req = next(iter(sched.requests.values()), None)
+        new = len(trace) > seen[0] and trace[-1]
+        seen[0] = len(trace)
+        if new:
+            (rnd,) = trace[-1].values()
+            slot_of.update(zip(rnd["positions"], rnd["slots"]))
+            if req is not None:
+                frontiers.append((req.num_computed_tokens, rnd["positions"][0] + len(rnd["tokens"])))
+
+    drafter.draft_override = forcing_wrong_first_proposal(full, vocab, wrong_slot)
+    drafter.trace = trace
+    try:
+        out = _run_steps(llm, prompt_ids, params, on_step)
+    finally:
+        drafter.draft_override = drafter.trace = None
+    assert out == native
+    assert frontiers and all(got == want for got, want in frontiers)
+    steps_with_slot = sum(1 for rnd in trace for r in rnd.values() if len(r["tokens"]) > wrong_slot)
+    assert drafter.stats.pipelined_restarts - restarts_before == steps_with_slot > 0
+    skip_unless_kv_readable(llm)
+    n_layers = runner.model.config.num_hidden_layers
+    ref = oracle.trace(torch.tensor(full[: max(slot_of) + 1]))
+    for p, slot in slot_of.items():
+        if p >= len(full) - 1:
+            continue
+        for u in range(runner.model.num_loops):
+            for i in range(n_layers):
+                k_got, v_got = read_kv(llm, _layer_name(u, i, n_layers), slot)
+                k_ref, v_ref = ref.kv[u][i]
+                torch.testing.assert_close(k_got, k_ref[0, :, p], atol=ATOL, rtol=0)
+                torch.testing.assert_close(v_got, v_ref[0, :, p], atol=ATOL, rtol=0)
+
+
+def test_pipelined_cancellation_frees_kv(loopspec_llms, tokenizer):
+    check_cancellation_frees_kv(pipelined(loopspec_llms, 4, 1), tokenizer, prefix="pipelined-cancel")
+
+
+def test_pipelined_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer):
+    check_preemption_keeps_output_exact(tiny_checkpoint, native_llm, tokenizer,
+                                        speculative={"schedule": "pipelined", "draft_loops": 1})
+
+
+# -- sampled -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def v16_pipelined(tmp_path_factory):
+    path, oracle = build_v16(tmp_path_factory.mktemp("v16p"))
+    llm = make_llm(path, {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1,
+                          "schedule": "pipelined"},
+                   skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048)
+    return llm, oracle
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.9)],
+                         ids=["temperature", "top_k_top_p"])
+def test_pipelined_sampling_recovers_target_distribution(v16_pipelined, setting):
+    llm, oracle = v16_pipelined
+    stats = model_runner(llm).drafter.stats
+    restarts_before = stats.pipelined_restarts
+    check_target_marginals(llm, oracle, setting, power_check=True)
+    assert stats.pipelined_restarts > restarts_before, "no proposal was replaced: the residual path is untested"
