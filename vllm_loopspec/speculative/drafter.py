@@ -388,13 +388,21 @@ class LoopSpecDrafter:
         runner = self.runner
         attn_group, device, slot_mapping = runner.attn_groups[0][0], runner.device, common.slot_mapping
 
+        built: dict[tuple[Entry, ...], TickAttention] = {}
+
         def attention(entries: list[Entry]) -> TickAttention:
-            flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
-            return tick_attention(common, attn_group, device,
-                                  np.array([e.count for e in entries], np.int32),
-                                  np.array([e.seq_len for e in entries], np.int64),
-                                  np.array([e.row for e in entries], np.int64),
-                                  slot_mapping[torch.from_numpy(flat).to(device)])
+            """A group's metadata depends on its tokens, not on its loop (every
+            loop's KV plane has the same blocks and slots): built once per step
+            for each set of tokens, e.g. slot j of every row at each of its loops."""
+            key = tuple(entries)
+            if key not in built:
+                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+                built[key] = tick_attention(common, attn_group, device,
+                                            np.array([e.count for e in entries], np.int32),
+                                            np.array([e.seq_len for e in entries], np.int64),
+                                            np.array([e.row for e in entries], np.int64),
+                                            slot_mapping[torch.from_numpy(flat).to(device)])
+            return built[key]
 
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
