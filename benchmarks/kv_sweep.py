@@ -13,6 +13,17 @@ new tokens; ``long``: ~512-token prompts from ``long``, 192 new tokens) ×
 loopspec's adaptive policy at each d. ``--compiled`` runs every engine in
 vLLM's default (compiled) mode instead of ``enforce_eager``.
 
+``--pipelined-draft-loops`` d1 × ``--pipelined-ks`` K add the pipelined
+schedule (issue 12, ``"schedule": "pipelined"``); its arms also report the
+pipeline's own counters (first proposals kept, ticks and restarts per step,
+model-forward ms per tick) and its ceiling at the measured acceptance
+(``benchmarks/pipeline_ceiling.py``'s step price with this run's ``S``,
+``P`` and ``L(1)``). The pipelined schedule is measured with:
+
+    python benchmarks/kv_sweep.py --compiled --peers --settings short --concurrency 1 8 \
+        --temperatures 0 0.8 --draft-loops 1 2 3 --ks 2 4 8 \
+        --pipelined-draft-loops 1 2 --pipelined-ks 4 8 16 --out benchmarks/results/pipelined_sweep.json
+
 The adaptive policy (issue 13) is measured with:
 
     python benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 \
@@ -66,6 +77,10 @@ def arm_specs(args) -> dict[str, dict | None]:
                                            "adaptive": False}
         if args.adaptive:
             arms[f"loopspec d{d} adaptive"] = {"method": "loopspec", "draft_loops": d}
+    for d in args.pipelined_draft_loops:
+        for k in args.pipelined_ks:
+            arms[f"pipelined d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
+                                            "schedule": "pipelined"}
     if "ngram" in args.peers:
         for k in args.peer_ks:
             arms[f"ngram K{k}"] = {"method": "ngram", "num_speculative_tokens": k,
@@ -120,12 +135,52 @@ class SchedulerSpecCounter:
         return json.loads(json.dumps(self.totals))
 
 
+PIPELINE_COUNTERS = ("pipelined_ticks", "pipelined_restarts", "pipelined_pruned", "drafted_tokens",
+                     "accepted_tokens", "rounds")
+
+
+def pipeline_counters(llm) -> dict | None:
+    drafter = getattr(model_runner(llm), "drafter", None)
+    if drafter is None or drafter.options.schedule != "pipelined":
+        return None
+    stats = drafter.stats
+    return {name: getattr(stats, name) for name in PIPELINE_COUNTERS}
+
+
 def timed_trial(llm, counter: SchedulerSpecCounter, prompts: list[str], new_tokens: int,
                 temperature: float) -> dict:
-    before = counter.snapshot()
+    before, pipeline_before = counter.snapshot(), pipeline_counters(llm)
     result = decode_trial(llm, prompts, new_tokens, profile=True, temperature=temperature)
     result["spec"] = counter_delta(counter.snapshot(), before)
+    if pipeline_before is not None:
+        after = pipeline_counters(llm)
+        result["pipeline"] = {name: after[name] - pipeline_before[name] for name in PIPELINE_COUNTERS}
     return result
+
+
+def pipeline_summary(runs: list[dict], native_profile: dict, round_costs: dict | None, k: int, d1: int,
+                     loops: int) -> dict:
+    """The pipelined arm's own counters over its trials (first proposals
+    kept: loopspec's acceptance; vLLM accepts every handed chain), and its
+    ceiling at that acceptance: ``pipeline_ceiling``'s step price with this
+    run's S and L(1) (native profile) and P (the round arm at d1, K), rows
+    of a tick costed at L(1) (a loop pass here barely grows with rows)."""
+    import pipeline_ceiling
+
+    total = {name: sum(r["pipeline"][name] for r in runs) for name in PIPELINE_COUNTERS}
+    steps = max(total["rounds"], 1)
+    forward = sum(r["forward_seconds"] for r in runs)
+    a1 = total["accepted_tokens"] / max(total["drafted_tokens"], 1)
+    out = {"first_proposal_acceptance": a1, "ticks_per_step": total["pipelined_ticks"] / steps,
+           "restarts_per_step": total["pipelined_restarts"] / steps, "pruned_per_step": total["pipelined_pruned"] / steps,
+           "drafted_per_step": total["drafted_tokens"] / steps,
+           "forward_ms_per_tick": forward / max(total["pipelined_ticks"], 1) * 1e3, "counts": total}
+    if round_costs is not None:
+        S, P, L1 = round_costs["S_ms"], round_costs["P_ms"], round_costs["L1_ms"]
+        ms, ticks = pipeline_ceiling.pipelined_step_ms(k, loops, d1, None, a1, 0.0, S, P, lambda rows: L1)
+        out["ceiling"] = {"S_ms": S, "P_ms": P, "L1_ms": L1, "predicted_ticks": ticks, "step_ms": ms,
+                          "speedup": (S + loops * L1) / (ms / (k + 1))}
+    return out
 
 
 # -- summaries -------------------------------------------------------------------
@@ -229,6 +284,9 @@ def main() -> None:
     ap.add_argument("--temperatures", "--temperature", type=float, nargs="+", default=[0.0],
                     help="0 = greedy; > 0 samples with a per-request seed (same seeds for every arm)")
     ap.add_argument("--adaptive", action="store_true", help="add loopspec's adaptive policy at each d")
+    ap.add_argument("--pipelined-draft-loops", type=int, nargs="*", default=[],
+                    help="add the pipelined schedule at these d1 (with --pipelined-ks)")
+    ap.add_argument("--pipelined-ks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compile mode (not enforce_eager)")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
@@ -280,7 +338,16 @@ def main() -> None:
                 summary["speedup"] = summary["median_tokens_per_s"] / native["median_tokens_per_s"]
                 summary["split_ms"] = per_step_split(profiles[name])
                 spec = specs[name]
-                if spec["method"] == "loopspec" and spec.get("adaptive") is False:
+                if spec["method"] == "loopspec" and spec.get("schedule") == "pipelined":
+                    k, d = spec["num_speculative_tokens"], spec["draft_loops"]
+                    round_arm = row.get(f"loopspec d{d} K{k}") or next(
+                        (r for n, r in row.items() if n.startswith(f"loopspec d{d} K") and "cost_model" in r), None)
+                    pipe = pipeline_summary(runs[cell][c][name], profiles["native"],
+                                            round_arm and round_arm.get("cost_model"), k, d, loops)
+                    summary["pipeline"] = pipe
+                    if "ceiling" in pipe:
+                        summary["speedup_over_ceiling"] = summary["speedup"] / pipe["ceiling"]["speedup"]
+                elif spec["method"] == "loopspec" and spec.get("adaptive") is False:
                     k, d = spec["num_speculative_tokens"], spec["draft_loops"]
                     summary["cost_model"] = cost_model(profiles["native"], profiles[name], k, d, loops,
                                                        summary.get("acceptance", 0.0), c)

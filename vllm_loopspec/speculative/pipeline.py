@@ -310,11 +310,15 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
     n = schedule.layout.num_tokens
     token_ids = input_ids[:n].clone()
     states: torch.Tensor | None = None
+    flat_of: dict[tuple[Entry, ...], np.ndarray] = {}  # a group's flat indices, per set of tokens
     while not schedule.done:
         for groups in schedule.passes():
             index, spans, start = [], [], 0
             for loop, entries in groups:
-                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+                key = tuple(entries)
+                flat = flat_of.get(key)
+                if flat is None:
+                    flat = flat_of[key] = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
                 index.append(flat)
                 spans.append((loop, start, start + len(flat), attention(entries)))
                 start += len(flat)
