@@ -22,7 +22,8 @@ model-forward ms per tick) and its ceiling at the measured acceptance
 
     python benchmarks/kv_sweep.py --compiled --peers --settings short --concurrency 1 8 \
         --temperatures 0 0.8 --draft-loops 1 2 3 --ks 2 4 8 \
-        --pipelined-draft-loops 1 2 --pipelined-ks 4 8 16 --out benchmarks/results/pipelined_sweep.json
+        --pipelined-draft-loops 1 2 --pipelined-ks 8 16 --pipelined-second-loops 2 \
+        --out benchmarks/results/pipelined_sweep.json
 
 The adaptive policy (issue 13) is measured with:
 
@@ -81,6 +82,9 @@ def arm_specs(args) -> dict[str, dict | None]:
         for k in args.pipelined_ks:
             arms[f"pipelined d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
                                             "schedule": "pipelined"}
+            for d2 in args.pipelined_second_loops:
+                if d < d2 and d2 % d == 0:
+                    arms[f"pipelined d{d} K{k} s{d2}"] = arms[f"pipelined d{d} K{k}"] | {"second_proposal_loop": d2}
     if "ngram" in args.peers:
         for k in args.peer_ks:
             arms[f"ngram K{k}"] = {"method": "ngram", "num_speculative_tokens": k,
@@ -135,8 +139,8 @@ class SchedulerSpecCounter:
         return json.loads(json.dumps(self.totals))
 
 
-PIPELINE_COUNTERS = ("pipelined_ticks", "pipelined_restarts", "pipelined_pruned", "drafted_tokens",
-                     "accepted_tokens", "rounds")
+PIPELINE_COUNTERS = ("pipelined_ticks", "pipelined_restarts", "pipelined_pruned", "pipelined_second_proposals",
+                     "pipelined_second_kept", "drafted_tokens", "accepted_tokens", "rounds")
 
 
 def pipeline_counters(llm) -> dict | None:
@@ -171,7 +175,10 @@ def pipeline_summary(runs: list[dict], native_profile: dict, round_costs: dict |
     steps = max(total["rounds"], 1)
     forward = sum(r["forward_seconds"] for r in runs)
     a1 = total["accepted_tokens"] / max(total["drafted_tokens"], 1)
+    drafted = max(total["drafted_tokens"], 1)
     out = {"first_proposal_acceptance": a1, "ticks_per_step": total["pipelined_ticks"] / steps,
+           "second_kept_share": total["pipelined_second_kept"] / drafted,
+           "second_proposals_per_step": total["pipelined_second_proposals"] / steps,
            "restarts_per_step": total["pipelined_restarts"] / steps, "pruned_per_step": total["pipelined_pruned"] / steps,
            "drafted_per_step": total["drafted_tokens"] / steps,
            "forward_ms_per_tick": forward / max(total["pipelined_ticks"], 1) * 1e3, "counts": total}
@@ -287,6 +294,8 @@ def main() -> None:
     ap.add_argument("--pipelined-draft-loops", type=int, nargs="*", default=[],
                     help="add the pipelined schedule at these d1 (with --pipelined-ks)")
     ap.add_argument("--pipelined-ks", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--pipelined-second-loops", type=int, nargs="*", default=[],
+                    help="also each pipelined arm with second_proposal_loop at these d2 (where d1 divides d2)")
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compile mode (not enforce_eager)")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
@@ -338,7 +347,10 @@ def main() -> None:
                 summary["speedup"] = summary["median_tokens_per_s"] / native["median_tokens_per_s"]
                 summary["split_ms"] = per_step_split(profiles[name])
                 spec = specs[name]
-                if spec["method"] == "loopspec" and spec.get("schedule") == "pipelined":
+                if spec["method"] == "loopspec" and spec.get("schedule") == "pipelined" \
+                        and spec.get("second_proposal_loop") is not None:
+                    summary["pipeline"] = pipeline_summary(runs[cell][c][name], profiles["native"], None, 0, 0, loops)
+                elif spec["method"] == "loopspec" and spec.get("schedule") == "pipelined":
                     k, d = spec["num_speculative_tokens"], spec["draft_loops"]
                     round_arm = row.get(f"loopspec d{d} K{k}") or next(
                         (r for n, r in row.items() if n.startswith(f"loopspec d{d} K") and "cost_model" in r), None)

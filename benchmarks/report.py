@@ -8,7 +8,8 @@ Inputs (each section is skipped with a note when its file is missing):
 ``serving.json`` (``vllm bench serve``), ``cost_curve.json`` (loop cost vs
 rows), ``adaptive_sweep.json`` and ``adaptive_burst.json`` (the adaptive
 policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``),
-``pd_descriptors.json`` (``nixl_descriptors.py``), and the hand-written
+``pd_descriptors.json`` (``nixl_descriptors.py``), ``pipelined_sweep.json``
+(the pipelined schedule against native and every round), and the hand-written
 ``findings.md`` placed at the top of the page.
 """
 
@@ -579,11 +580,95 @@ def async_section(rec: dict) -> list[str]:
     return lines + [""]
 
 
+def pipelined_section(rec: dict) -> list[str]:
+    """The pipelined schedule (issue 12) against native and every fixed round
+    of the same run (kv_sweep.py --pipelined-draft-loops)."""
+    lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
+             f"{rec['wall_seconds'] / 60:.0f} min of timed trials, {rec['engine']}, OpenMP wait policy "
+             f"{rec.get('omp_wait_policy', '?')}). Speedup: median tok/s over native's in the same cell; "
+             "`× best round`: over the fastest fixed round (d, K) of the cell. Accepted length: tokens a "
+             "request commits per step (K + 1 for a pipelined step: every slot is verified inside it). "
+             "First kept / second kept: shares of drafted slots whose committed token is the first proposal / "
+             "a second proposal (arms `s<d2>`: `second_proposal_loop` d2, which replaces the first proposal "
+             "where it differs); the rest were replaced by the target's token inside the step (a restart). "
+             "Ceiling (first proposals only): "
+             "`pipeline_ceiling.py`'s step price `S + T·(d1·L(1) + P)`, `T = K + R/d1 + "
+             "K(1−a)(R/d1 − 1)`, at this run's S, L(1) (native), P (the round arm at d1) and the measured "
+             "first-proposal acceptance a; `at a=0.9`: the same price at a first-proposal acceptance "
+             f"like Ouro-1.4B's (LoopSpec's mean accepted length 3.1–3.9 of 4 at d1=1 is a ≈ 0.83–0.99 per "
+             "position).", "",
+             "| cell | c | native tok/s | best round | arm | speedup | × best round | accepted length | "
+             "first kept | second kept | ticks/step | restarts/step | ceiling | of ceiling | ceiling at a=0.9 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    import pipeline_ceiling
+
+    loops = rec["loops"]
+    for cell, by_c in rec["results"].items():
+        for c, arms in by_c.items():
+            rounds = {n: r for n, r in arms.items() if n.startswith("loopspec d")}
+            best = max(rounds, key=lambda n: rounds[n]["speedup"]) if rounds else None
+            for name, r in arms.items():
+                if not name.startswith("pipelined"):
+                    continue
+                pipe = r["pipeline"]
+                ceiling = pipe.get("ceiling", {}).get("speedup")
+                _, d1, k = arm_kind(name)
+                at_09 = None
+                if "ceiling" in pipe:
+                    S, P, L1 = (pipe["ceiling"][key] for key in ("S_ms", "P_ms", "L1_ms"))
+                    ms, _ = pipeline_ceiling.pipelined_step_ms(k, loops, d1, None, 0.9, 0.0, S, P, lambda rows: L1)
+                    at_09 = (S + loops * L1) / (ms / (k + 1))
+                lines.append(
+                    f"| {cell} | {c} | {fmt(arms['native']['median_tokens_per_s'], 0)} | "
+                    f"{best} {fmt(rounds[best]['speedup'])}× | {name} | {fmt(r['speedup'])}× "
+                    f"[{fmt(r['q1'] / arms['native']['median_tokens_per_s'])}–"
+                    f"{fmt(r['q3'] / arms['native']['median_tokens_per_s'])}] | "
+                    f"{fmt(r['speedup'] / rounds[best]['speedup'])} | {pipe['drafted_per_step'] / max(int(c), 1) + 1:.1f} "
+                    f"(K={k}) | {fmt(pipe['first_proposal_acceptance'])} | "
+                    f"{fmt(pipe['second_kept_share']) if ' s' in name else '–'} | {fmt(pipe['ticks_per_step'], 1)} | "
+                    f"{fmt(pipe['restarts_per_step'], 1)} | {fmt(ceiling)}× | "
+                    f"{fmt(r.get('speedup_over_ceiling'))} | {fmt(at_09)}× |")
+    return lines + [""]
+
+
+def plot_pipelined(rec: dict) -> str:
+    """Speedup over native per concurrency: the best round of each d and each pipelined arm."""
+    cells = list(rec["results"])
+    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.8), sharey=True, squeeze=False)
+    for ax, cell in zip(axes[0], cells):
+        by_c = rec["results"][cell]
+        concs = list(by_c)
+        arms = [n for n in by_c[concs[0]] if n != "native"]
+        groups = sorted({f"round d{arm_kind(n)[1]} (best K)" for n in arms if n.startswith("loopspec d")})
+        groups += [n for n in arms if n.startswith("pipelined")]
+        width = 0.8 / max(len(groups), 1)
+        for i, group in enumerate(groups):
+            values = []
+            for c in concs:
+                if group.startswith("round"):
+                    d = group.split()[1]
+                    values.append(max(r["speedup"] for n, r in by_c[c].items() if n.startswith(f"loopspec {d} ")))
+                else:
+                    values.append(by_c[c][group]["speedup"])
+            ax.bar(np.arange(len(concs)) + i * width, values, width, label=group,
+                   hatch="//" if group.startswith("pipelined") else None)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(np.arange(len(concs)) + 0.4 - width / 2, [f"c={c}" for c in concs])
+        ax.set_title(cell)
+    axes[0][0].set_ylabel("speedup over native (median tok/s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    name = "pipelined_speedup.png"
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def pipeline_ceiling_section(rec: dict) -> list[str]:
     """The pipelined schedule priced with measured costs (benchmarks/pipeline_ceiling.py)."""
     inp = rec["inputs"]
     lines = [f"Command: `{rec['command']}` ({rec['when']}). Not a measurement of a built schedule: the "
-             "pipelined schedule (RFC §7) is designed, not built; this prices it and the round with the "
+             "pipelined schedule (RFC §7) was designed, not yet built, when this ran; it prices it and the round with the "
              f"costs this machine measured (S {fmt(inp['S_ms'])} ms a step, P {fmt(inp['P_ms'])} ms a tick, "
              f"L(1) {fmt(inp['L1_ms'])} ms a loop; {inp['costs_from']}; {inp['curve_from']}), batch 1, as "
              "speedup over native per committed token. The pipeline fills and drains once per engine step "
@@ -736,9 +821,15 @@ def main() -> None:
     async_rec = load("async_decode.json")
     lines += ["## Async scheduling (issue 15)", ""]
     lines += async_section(async_rec) if async_rec else ["(no async run recorded)", ""]
+    pipelined = load("pipelined_sweep.json")
+    lines += ["## Pipelined schedule (issue 12)", ""]
+    if pipelined:
+        lines += pipelined_section(pipelined) + [f"![pipelined](results/plots/{plot_pipelined(pipelined)})", ""]
+    else:
+        lines += ["(no pipelined run recorded)", ""]
     ceiling = load("pipeline_ceiling.json")
     if ceiling:
-        lines += ["## Pipelined schedule: ceiling (issue 12, not built in the engine)", ""]
+        lines += ["### Ceiling priced before the engine schedule was built", ""]
         lines += pipeline_ceiling_section(ceiling)
     schedule = load("pipeline_schedule.json")
     if schedule:
@@ -770,7 +861,7 @@ def main() -> None:
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst,
-                async_rec, ceiling):
+                async_rec, pipelined, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:

@@ -97,17 +97,18 @@ def loopspec_llms(tiny_checkpoint):
     ``loopspec_llms(K, d=2)`` drafts K tokens every round (``"adaptive":
     false``); ``loopspec_llms(K, d, adaptive=True)`` runs the adaptive policy
     (K for its warm-up, at most 8); ``schedule="pipelined"`` the pipelined
-    step (RFC §7)."""
+    step (RFC §7), with ``second_proposal_loop`` its second proposals."""
     engines = {}
 
-    def get(k: int, d: int = 2, adaptive: bool = False, schedule: str = "round"):
-        key = (k, d, adaptive, schedule)
+    def get(k: int, d: int = 2, adaptive: bool = False, schedule: str = "round",
+            second_proposal_loop: int | None = None):
+        key = (k, d, adaptive, schedule, second_proposal_loop)
         if key not in engines:
-            engines[key] = make_llm(
-                tiny_checkpoint,
-                {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive,
-                 "schedule": schedule},
-            )
+            spec = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive,
+                    "schedule": schedule}
+            if second_proposal_loop is not None:
+                spec["second_proposal_loop"] = second_proposal_loop
+            engines[key] = make_llm(tiny_checkpoint, spec)
         return engines[key]
 
     yield get

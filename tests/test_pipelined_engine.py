@@ -26,13 +26,13 @@ from test_loopspec_state import _layer_name, _run_steps
 from vllm_loopspec.speculative.pipeline import PipelineSchedule
 from vllm_loopspec.speculative.plan import StepLayout
 
-# (K, d1): every draft depth, K from 1 to 8.
-PIPELINES = [(1, 2), (4, 1), (8, 2), (4, 3)]
+# (K, d1, d2): every draft depth, K from 1 to 8, second proposals at both depths d1 = 1 allows.
+PIPELINES = [(1, 2, None), (4, 1, None), (8, 2, None), (4, 3, None), (4, 1, 2), (8, 1, 3)]
 ATOL = 1e-4
 
 
-def pipelined(loopspec_llms, k, d):
-    return loopspec_llms(k, d, schedule="pipelined")
+def pipelined(loopspec_llms, k, d, d2=None):
+    return loopspec_llms(k, d, schedule="pipelined", second_proposal_loop=d2)
 
 
 # -- the schedule, without an engine ---------------------------------------------
@@ -45,10 +45,11 @@ def _layout(rows):
                       seq_lens=np.array([c for _, _, c in rows]) + query)
 
 
-def _drive(schedule, truth, wrong_first=frozenset()):
+def _drive(schedule, truth, wrong_first=frozenset(), right_second=True):
     """Run ``schedule`` with ``truth[row][slot]`` the target's token for
-    ``slot`` (1-based) and first proposals wrong at ``(row, slot)`` in
-    ``wrong_first``; checks the KV invariant of every pass."""
+    ``slot`` (1-based), first proposals wrong at ``(row, slot)`` in
+    ``wrong_first``, second proposals (if any) right or all wrong; checks
+    the KV invariant of every pass."""
     ran = {(r, j): set() for r in schedule.spec_rows for j in range(schedule.num_drafts[r] + 1)}
     while not schedule.done:
         for groups in schedule.passes():
@@ -61,14 +62,15 @@ def _drive(schedule, truth, wrong_first=frozenset()):
                     for earlier in range(j):
                         assert loop in ran[(e.row, earlier)], f"slot {j} at loop {loop} before slot {earlier}"
                     ran[(e.row, j)].add(loop)
-        propose, verify = schedule.finish_tick()
+        propose, refine, verify = schedule.finish_tick()
         for r, j in propose:
             token = truth[r][j + 1]
             schedule.proposed(r, j, token + 1000 if (r, j + 1) in wrong_first else token)
-        for r, j in verify:
-            if not schedule.verified(r, j, truth[r][j + 1]):
-                for k in range(j + 1, schedule.num_drafts[r] + 1):
-                    ran[(r, k)] = set()  # restarted or pruned: its loops run again
+        for group, keep, wrong in ((refine, schedule.refined, 0 if right_second else 2000), (verify, schedule.verified, 0)):
+            for r, j in group:
+                if not keep(r, j, truth[r][j + 1] + wrong):
+                    for k in range(j + 1, schedule.num_drafts[r] + 1):
+                        ran[(r, k)] = set()  # restarted or pruned: its loops run again
     return schedule.drafts()
 
 
@@ -101,6 +103,33 @@ def test_a_wrong_proposal_restarts_its_slot_and_prunes_the_rest(wrong, d1):
     assert schedule.counts.ticks == k + math.ceil(loops / d1) + math.ceil(loops / d1) - 1
 
 
+@pytest.mark.parametrize("d2", [2, 3])
+@pytest.mark.parametrize("wrong", [1, 3, 6])
+def test_a_second_proposal_replaces_a_wrong_first_one_earlier(wrong, d2):
+    """d1 = 1: a right second proposal restarts the slot when its
+    predecessor reaches d2, (d2 - d1) ticks after it started instead of
+    R - d1; wrong second proposals are replaced at verification."""
+    k, loops = 6, 4
+    truth = {0: list(range(k + 1))}
+    schedule = PipelineSchedule(_layout([(1, k, 10)]), loops, 1, second_proposal_loop=d2)
+    assert _drive(schedule, truth, wrong_first={(0, wrong)}) == truth[0][1:]
+    assert (schedule.counts.refined, schedule.counts.restarts, schedule.counts.second_accepted) == (1, 0, 1)
+    assert schedule.counts.ticks == k + loops + (d2 - 1)
+    wrong_second = PipelineSchedule(_layout([(1, k, 10)]), loops, 1, second_proposal_loop=d2)
+    assert _drive(wrong_second, truth, wrong_first={(0, wrong)}, right_second=False) == truth[0][1:]
+    # Every second proposal wrong: each replaces its (right or wrong) first one and is itself replaced
+    # (a slot restarted at verification refines its new successor again).
+    counts = wrong_second.counts
+    assert (counts.restarts, counts.second_accepted) == (k, 0) and counts.refined >= k
+
+
+def test_second_proposal_loop_must_be_a_deeper_multiple_of_draft_loops():
+    layout = _layout([(1, 2, 3)])
+    for d1, d2 in ((1, 1), (1, 4), (2, 3)):
+        with pytest.raises(ValueError, match="multiple of draft_loops"):
+            PipelineSchedule(layout, 4, d1, second_proposal_loop=d2)
+
+
 def test_every_proposal_wrong_still_commits_the_targets():
     k, loops = 5, 4
     schedule = PipelineSchedule(_layout([(1, k, 3)]), loops, 1)
@@ -127,13 +156,13 @@ def native_reference(native_llm, prompts):
     return native_outputs(native_llm, prompts, BUDGETS)
 
 
-@pytest.mark.parametrize("k,d", PIPELINES)
-def test_pipelined_greedy_equals_native(loopspec_llms, prompts, native_reference, k, d):
+@pytest.mark.parametrize("k,d,d2", PIPELINES)
+def test_pipelined_greedy_equals_native(loopspec_llms, prompts, native_reference, k, d, d2):
     """Width 8 (a batch with two chunk-prefilled prompts) and width 1, for
     budgets that end mid-pipeline."""
-    llm = pipelined(loopspec_llms, k, d)
+    llm = pipelined(loopspec_llms, k, d, d2)
     stats = model_runner(llm).drafter.stats
-    restarts_before = stats.pipelined_restarts
+    restarts_before, second_before = stats.pipelined_restarts, stats.pipelined_second_proposals
     for budget in BUDGETS:
         params = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -145,6 +174,8 @@ def test_pipelined_greedy_equals_native(loopspec_llms, prompts, native_reference
     assert stats.pipelined_ticks > 0
     if k > 1:  # otherwise the equality above would not exercise restarts
         assert stats.pipelined_restarts > restarts_before
+    if d2 is not None:
+        assert stats.pipelined_second_proposals > second_before
 
 
 def test_in_flight_states_equal_serial_oracle(loopspec_llms, oracle, tokenizer):
@@ -262,18 +293,44 @@ def test_pipelined_preemption_keeps_output_exact(tiny_checkpoint, native_llm, to
 
 @pytest.fixture(scope="module")
 def v16_pipelined(tmp_path_factory):
+    """The 16-token checkpoint, pipelined engines without and with a second
+    proposal at loop 2 (d1 = 1)."""
     path, oracle = build_v16(tmp_path_factory.mktemp("v16p"))
-    llm = make_llm(path, {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1,
-                          "schedule": "pipelined"},
-                   skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048)
-    return llm, oracle
+    engines = {}
+
+    def get(d2):
+        if d2 not in engines:
+            engines[d2] = make_llm(path, {"method": "loopspec", "num_speculative_tokens": 2, "draft_loops": 1,
+                                          "schedule": "pipelined", "second_proposal_loop": d2},
+                                   skip_tokenizer_init=True, max_num_seqs=256, max_num_batched_tokens=2048)
+        return engines[d2]
+
+    return get, oracle
 
 
+@pytest.mark.parametrize("d2", [None, 2], ids=["first_only", "second_at_2"])
 @pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.9)],
                          ids=["temperature", "top_k_top_p"])
-def test_pipelined_sampling_recovers_target_distribution(v16_pipelined, setting):
-    llm, oracle = v16_pipelined
+def test_pipelined_sampling_recovers_target_distribution(v16_pipelined, setting, d2):
+    get, oracle = v16_pipelined
+    llm = get(d2)
     stats = model_runner(llm).drafter.stats
-    restarts_before = stats.pipelined_restarts
+    restarts_before, second_before = stats.pipelined_restarts, stats.pipelined_second_proposals
     check_target_marginals(llm, oracle, setting, power_check=True)
     assert stats.pipelined_restarts > restarts_before, "no proposal was replaced: the residual path is untested"
+    if d2 is not None:
+        assert stats.pipelined_second_proposals > second_before, "no second proposal replaced a first one"
+
+
+def test_pipelined_under_async_scheduling_equals_native(tiny_checkpoint, prompts, native_reference):
+    """vLLM's async scheduler (placeholder drafts trimmed per row, lengths
+    corrected on the device) with pipelined steps: still native's tokens."""
+    llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 1,
+                                     "schedule": "pipelined"}, async_scheduling=True)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "async scheduling did not stay on"
+    for budget in BUDGETS:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (budget, p[:40])
+    assert model_runner(llm).drafter.stats.pipelined_ticks > 0

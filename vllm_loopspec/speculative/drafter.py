@@ -404,7 +404,7 @@ class LoopSpecDrafter:
                                             slot_mapping[torch.from_numpy(flat).to(device)])
             return built[key]
 
-        schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops)
+        schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
         decider = self._pipeline_decider(layout)
         try:
@@ -496,6 +496,8 @@ class LoopSpecDrafter:
         stats.pipelined_ticks += counts.ticks
         stats.pipelined_restarts += counts.restarts
         stats.pipelined_pruned += counts.pruned
+        stats.pipelined_second_proposals += counts.refined
+        stats.pipelined_second_kept += counts.second_accepted
 
     def _count_round(self, plan: RoundPlan) -> None:
         num_drafts = plan.layout.num_drafts

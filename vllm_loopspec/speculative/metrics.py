@@ -68,6 +68,9 @@ COUNTERS = (
     CounterSpec("pipelined_ticks", "Ticks of pipelined steps (every in-flight token advances draft_loops loops)."),
     CounterSpec("pipelined_restarts", "Pipelined successors replaced at verification (restarted at loop 0)."),
     CounterSpec("pipelined_pruned", "In-flight pipelined tokens discarded with a replaced ancestor."),
+    CounterSpec("pipelined_second_proposals", "Pipelined proposals replaced by a second proposal at "
+                "second_proposal_loop."),
+    CounterSpec("pipelined_second_kept", "Pipelined slots whose committed draft is a second proposal."),
     CounterSpec("skipped", "Request-steps that decoded one token without drafting, by reason.", "labelled",
                 "reason", metric="skipped_rows"),
 )
@@ -88,6 +91,8 @@ class LoopSpecStats:
     pipelined_ticks: int = 0
     pipelined_restarts: int = 0
     pipelined_pruned: int = 0
+    pipelined_second_proposals: int = 0
+    pipelined_second_kept: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> request-steps
 
     def count_loop_rows(self, loops: range, rows: int, masked: int = 0) -> None:

@@ -24,7 +24,7 @@ DEFAULT_MAX_SPECULATIVE_TOKENS = 8
 # checkpoint directory; ``"draft_loops": "auto"`` reads its ``draft_loops``.
 CALIBRATION_FILE = "loopspec_calibration.json"
 ALLOWED_KEYS = {"method", "num_speculative_tokens", "max_speculative_tokens", "adaptive", "draft_loops",
-                "skip_logprobs_requests", "schedule"}
+                "skip_logprobs_requests", "schedule", "second_proposal_loop"}
 SCHEDULES = ("round", "pipelined")
 DEFAULT_SCHEDULE = "round"
 
@@ -56,6 +56,10 @@ class LoopSpecOptions:
     (:mod:`.round`). ``"pipelined"``: every token proposes its successor at
     depth ``d`` and is verified at depth R while later tokens are in flight
     (:mod:`.pipeline`, RFC §7); K fixed (no adaptive policy)."""
+    second_proposal_loop: int | None = None
+    """Pipelined only: ``d2``, the depth at which a token refines its
+    successor's proposal (a multiple of ``draft_loops`` below R); unset:
+    no second proposals."""
 
     @property
     def draft_slots(self) -> int:
@@ -193,8 +197,20 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             f"early_exit_threshold={threshold}; override it with "
             "--hf-overrides '{\"early_exit_threshold\": 1.0}'."
         )
+    d2 = raw.get("second_proposal_loop")
+    if d2 is not None:
+        if schedule != "pipelined":
+            raise LoopSpecConfigError(
+                'loopspec second_proposal_loop refines drafts of the pipelined schedule; add "schedule": '
+                '"pipelined" or drop second_proposal_loop.')
+        if not _positive_int(d2) or not d < d2 < loops or d2 % d:
+            raise LoopSpecConfigError(
+                f"loopspec second_proposal_loop must be a multiple of draft_loops ({d}) with draft_loops < "
+                f"second_proposal_loop < total_ut_steps ({loops}), got {d2!r} (a tick advances every token "
+                f"by draft_loops loops); e.g. draft_loops 1 with second_proposal_loop 2 or 3.")
     skip = raw.get("skip_logprobs_requests", True)
     if not isinstance(skip, bool):
         raise LoopSpecConfigError(f"loopspec skip_logprobs_requests must be true or false, got {skip!r}.")
     return LoopSpecOptions(num_speculative_tokens=k, max_speculative_tokens=k_max, adaptive=adaptive,
-                           draft_loops=d, skip_logprobs_requests=skip, schedule=schedule)
+                           draft_loops=d, skip_logprobs_requests=skip, schedule=schedule,
+                           second_proposal_loop=d2)

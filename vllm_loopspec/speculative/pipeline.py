@@ -18,6 +18,16 @@ committed token, not yet forwarded). A round (:mod:`.round`) drafts all
   next tick at the same position and KV slot (its passes overwrite every
   loop's stale entries), and everything drafted after it is pruned.
 
+With a second proposal at depth ``d2`` (``second_proposal_loop``), a token
+that reaches ``d2`` *refines* its successor: greedy, the successor becomes the
+depth-``d2`` argmax; sampled, the first proposal ``c ~ q1`` is kept with
+``min(1, q2(c)/q1(c))``, else replaced by a draw from ``norm(max(q2 - q1,
+0))``, which makes the candidate an exact draw from ``q2``, the distribution
+verification then uses. A replaced successor restarts at loop 0 like a
+rejected one, ``R - d2`` loops earlier than verification would have found
+it. (LoopSpec runs the second candidate *beside* the first, which needs KV
+slots of its own for it; this one takes the first one's place.)
+
 The step ends when every slot holds a verified token at depth ``R``: vLLM
 then gets the chain as the step's drafts and the loop-``R`` states of every
 slot for its logits. Its rejection sampler stays the arbiter: greedy, every
@@ -67,8 +77,10 @@ class PipelineCounts:
     ticks: int = 0
     passes: int = 0  # run_tick calls
     restarts: int = 0  # successors replaced at verification
+    refined: int = 0  # successors replaced by a second proposal at d2
     pruned: int = 0  # in-flight tokens discarded with a replaced ancestor
     first_accepted: list[int] = field(default_factory=list)  # per slot j-1: first proposals kept, summed over rows
+    second_accepted: int = 0  # slots whose final token is a second proposal
 
 
 class PipelineSchedule:
@@ -76,12 +88,18 @@ class PipelineSchedule:
     of every speculating row. Pure Python; :func:`run_pipelined` asks it
     what each pass runs and tells it what the logits decided."""
 
-    def __init__(self, layout: StepLayout, num_loops: int, draft_loops: int) -> None:
+    def __init__(self, layout: StepLayout, num_loops: int, draft_loops: int,
+                 second_proposal_loop: int | None = None) -> None:
         if not 1 <= draft_loops < num_loops:
             raise ValueError(f"draft_loops must be in [1, {num_loops}), got {draft_loops}")
+        d2 = second_proposal_loop
+        if d2 is not None and not (draft_loops < d2 < num_loops and d2 % draft_loops == 0):
+            raise ValueError(f"second_proposal_loop must be a multiple of draft_loops ({draft_loops}) "
+                             f"below {num_loops}, got {d2}")
         self.layout = layout
         self.R = num_loops
         self.d1 = draft_loops
+        self.d2 = d2
         self.spec_rows = layout.spec_rows.tolist()
         self.num_drafts = {r: int(layout.num_drafts[r]) for r in self.spec_rows}
         self.anchor = {r: int(layout.anchors[r]) for r in self.spec_rows}
@@ -95,7 +113,9 @@ class PipelineSchedule:
         # Slot j = 1..K_i of each speculating row (index j - 1).
         self.depth = {r: [NOT_STARTED] * self.num_drafts[r] for r in self.spec_rows}
         self.token = {r: [0] * self.num_drafts[r] for r in self.spec_rows}
-        self.first = {r: [False] * self.num_drafts[r] for r in self.spec_rows}  # still its first proposal
+        # What each slot holds: "first" (its first proposal), "second" (a
+        # second proposal), "target" (the token its verification decided).
+        self.kind = {r: [""] * self.num_drafts[r] for r in self.spec_rows}
         self.counts = PipelineCounts(first_accepted=[0] * layout.max_drafts)
 
     # -- where things are --------------------------------------------------------
@@ -128,19 +148,22 @@ class PipelineSchedule:
             out.append([(u, sorted(by_loop[u], key=lambda e: e.row)) for u in sorted(by_loop)])
         return out
 
-    def finish_tick(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Advance every running token by ``d1`` loops. Returns the slots
-        ``(row, slot)`` that now *propose* (just reached depth ``d1``, with a
-        successor slot) and those that now *verify* (just reached ``R``,
-        with a successor slot), in row order."""
+    def finish_tick(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Advance every running token by ``d1`` loops. Returns, in row
+        order, the slots ``(row, slot)`` with a successor slot that now
+        *propose* (just reached depth ``d1``), *refine* (just reached
+        ``d2`` while their successor holds its first proposal) and *verify*
+        (just reached ``R``)."""
         self.counts.ticks += 1
-        propose, verify = [], []
+        propose, refine, verify = [], [], []
 
         def advance(row: int, slot: int, depth: int) -> int:
             new = min(depth + self.d1, self.R)
             if slot < self.num_drafts.get(row, 0):
                 if depth < self.d1 <= new:
                     propose.append((row, slot))
+                if self.d2 is not None and depth < self.d2 <= new:
+                    refine.append((row, slot))
                 if new == self.R:
                     verify.append((row, slot))
             return new
@@ -156,13 +179,24 @@ class PipelineSchedule:
                     ds[j - 1] = advance(r, j, d)
         propose.sort()
         verify.sort()
-        return propose, verify
+        refine.sort()
+        return propose, refine, verify
 
     def proposed(self, row: int, slot: int, token: int) -> None:
         """``token`` is the first proposal for ``slot + 1``: it enters loop 0."""
         self.token[row][slot] = token
         self.depth[row][slot] = 0
-        self.first[row][slot] = True
+        self.kind[row][slot] = "first"
+
+    def refined(self, row: int, slot: int, token: int) -> bool:
+        """Slot ``slot``'s second proposal for ``slot + 1`` is ``token``.
+        Returns whether the successor was kept; if not, it restarts with
+        ``token`` and every slot after it is pruned."""
+        if self.token[row][slot] == token:
+            return True
+        self.counts.refined += 1
+        self._restart(row, slot, token, "second")
+        return False
 
     def verified(self, row: int, slot: int, token: int) -> bool:
         """Slot ``slot``'s target decided ``token`` for ``slot + 1``. Returns
@@ -171,23 +205,28 @@ class PipelineSchedule:
         if self.token[row][slot] == token and self.depth[row][slot] != NOT_STARTED:
             return True
         self.counts.restarts += 1
+        self._restart(row, slot, token, "target")
+        return False
+
+    def _restart(self, row: int, slot: int, token: int, kind: str) -> None:
         self.token[row][slot] = token
         self.depth[row][slot] = 0
-        self.first[row][slot] = False
+        self.kind[row][slot] = kind
         for k in range(slot + 1, self.num_drafts[row]):
             if self.depth[row][k] != NOT_STARTED:
                 self.counts.pruned += 1
             self.depth[row][k] = NOT_STARTED
-        return False
 
     def drafts(self) -> list[int]:
         """The verified chain in vLLM's flat draft order (row by row)."""
         self.counts.first_accepted = [0] * self.layout.max_drafts
+        self.counts.second_accepted = 0
         out = []
         for r in self.spec_rows:
             out.extend(self.token[r])
-            for j, first in enumerate(self.first[r]):
-                self.counts.first_accepted[j] += int(first)
+            for j, kind in enumerate(self.kind[r]):
+                self.counts.first_accepted[j] += int(kind == "first")
+                self.counts.second_accepted += int(kind == "second")
         return out
 
 
@@ -209,11 +248,16 @@ class Decider(Protocol):
 
     def propose(self, logits: torch.Tensor, slots: list[tuple[int, int]]) -> list[int]: ...
 
+    def refine(self, logits: torch.Tensor, slots: list[tuple[int, int]], proposals: list[int]) -> list[int]: ...
+
     def verify(self, logits: torch.Tensor, slots: list[tuple[int, int]], proposals: list[int]) -> list[int]: ...
 
 
 class GreedyDecider:
     def propose(self, logits, slots):
+        return logits.argmax(dim=-1).tolist()
+
+    def refine(self, logits, slots, proposals):
         return logits.argmax(dim=-1).tolist()
 
     def verify(self, logits, slots, proposals):
@@ -266,7 +310,11 @@ class SampledDecider:
                 out.append(greedy[i])
         return out
 
-    def verify(self, logits, slots, proposals):
+    def _step(self, logits, slots, proposals, keep_target: bool) -> list[int]:
+        """One speculative-sampling step per slot: its successor's proposal
+        ``c ~ q`` against the distribution of ``logits``: ``c`` kept with
+        ``min(1, p/q)``, else a draw from ``norm(max(p - q, 0))``; either way
+        the result is a draw from ``p``."""
         rows = [r for r, _ in slots]
         greedy = logits.argmax(dim=-1).tolist()
         if not any(self.sampled[r] for r in rows):
@@ -277,8 +325,11 @@ class SampledDecider:
             if not self.sampled[r]:
                 out.append(greedy[i])
                 continue
-            self.target[(r, j)] = p[i]
             q = self.proposal_q.pop((r, j))
+            if keep_target:
+                self.target[(r, j)] = p[i]
+            else:  # the successor is now a draw from p: verification uses it
+                self.proposal_q[(r, j)] = p[i]
             u = float(self._uniform(r, (1,), p.device))
             if float(q[c]) > 0 and u * float(q[c]) < float(p[i, c]):
                 out.append(c)
@@ -287,6 +338,12 @@ class SampledDecider:
             total = float(residual.sum())
             out.append(self._draw(residual / total if total > 0 else p[i], r))
         return out
+
+    def refine(self, logits, slots, proposals):
+        return self._step(logits, slots, proposals, keep_target=False)
+
+    def verify(self, logits, slots, proposals):
+        return self._step(logits, slots, proposals, keep_target=True)
 
 
 @dataclass
@@ -336,22 +393,25 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
             schedule.counts.passes += 1
             if on_pass is not None:
                 on_pass(groups, token_ids, states)
-        propose, verify = schedule.finish_tick()
-        if not propose and not verify:
+        propose, refine, verify = schedule.finish_tick()
+        slots = propose + refine + verify
+        if not slots:
             continue
-        slots = propose + verify
         logits = model.logits(states[torch.tensor([schedule.flat(r, j) for r, j in slots],
                                                   device=states.device)])
-        if propose:
-            for (r, j), token in zip(propose, decide.propose(logits[: len(propose)], propose)):
-                if override is not None:
-                    token = override(r, j + 1, token)
-                schedule.proposed(r, j, token)
-                token_ids[schedule.flat(r, j + 1)] = token
-        if verify:
-            proposals = [schedule.token[r][j] for r, j in verify]
-            for (r, j), token in zip(verify, decide.verify(logits[len(propose):], verify, proposals)):
-                if not schedule.verified(r, j, token):
+        for (r, j), token in zip(propose, decide.propose(logits[: len(propose)], propose) if propose else ()):
+            if override is not None:
+                token = override(r, j + 1, token)
+            schedule.proposed(r, j, token)
+            token_ids[schedule.flat(r, j + 1)] = token
+        for kind, group, offset in (("refine", refine, len(propose)), ("verify", verify, len(propose) + len(refine))):
+            if not group:
+                continue
+            proposals = [schedule.token[r][j] for r, j in group]
+            decided = getattr(decide, kind)(logits[offset: offset + len(group)], group, proposals)
+            keep = schedule.refined if kind == "refine" else schedule.verified
+            for (r, j), token in zip(group, decided):
+                if not keep(r, j, token):
                     token_ids[schedule.flat(r, j + 1)] = token
     drafts = schedule.drafts()
     return PipelineOutput(hidden_states=states, drafts=drafts, counts=schedule.counts)
