@@ -596,7 +596,9 @@ def pipelined_section(rec: dict) -> list[str]:
              "K(1−a)(R/d1 − 1)`, at this run's S, L(1) (native), P (the round arm at d1) and the measured "
              "first-proposal acceptance a; `at a=0.9`: the same price at a first-proposal acceptance "
              f"like Ouro-1.4B's (LoopSpec's mean accepted length 3.1–3.9 of 4 at d1=1 is a ≈ 0.83–0.99 per "
-             "position).", "",
+             "position). Both prices are batch 1's and shown at c=1 only; they cost a pass at d1·L(1) + P, "
+             "while a measured pass costs more (`forward_ms_per_tick` in the JSON: every loop group of a pass "
+             "is its own attention call), which is most of the gap to them.", "",
              "| cell | c | native tok/s | best round | arm | speedup | × best round | accepted length | "
              "first kept | second kept | ticks/step | restarts/step | ceiling | of ceiling | ceiling at a=0.9 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -614,7 +616,9 @@ def pipelined_section(rec: dict) -> list[str]:
                 ceiling = pipe.get("ceiling", {}).get("speedup")
                 _, d1, k = arm_kind(name)
                 at_09 = None
-                if "ceiling" in pipe:
+                if int(c) != 1:  # the price is batch 1's: one row's restarts, L(1) per pass
+                    ceiling = None
+                elif "ceiling" in pipe:
                     S, P, L1 = (pipe["ceiling"][key] for key in ("S_ms", "P_ms", "L1_ms"))
                     ms, _ = pipeline_ceiling.pipelined_step_ms(k, loops, d1, None, 0.9, 0.0, S, P, lambda rows: L1)
                     at_09 = (S + loops * L1) / (ms / (k + 1))
@@ -626,9 +630,13 @@ def pipelined_section(rec: dict) -> list[str]:
                     f"{fmt(r['speedup'] / rounds[best]['speedup'])} | {pipe['drafted_per_step'] / max(int(c), 1) + 1:.1f} "
                     f"(K={k}) | {fmt(pipe['first_proposal_acceptance'])} | "
                     f"{fmt(pipe['second_kept_share']) if ' s' in name else '–'} | {fmt(pipe['ticks_per_step'], 1)} | "
-                    f"{fmt(pipe['restarts_per_step'], 1)} | {fmt(ceiling)}× | "
-                    f"{fmt(r.get('speedup_over_ceiling'))} | {fmt(at_09)}× |")
+                    f"{fmt(pipe['restarts_per_step'], 1)} | {times(ceiling)} | "
+                    f"{fmt(r.get('speedup_over_ceiling') if ceiling else None)} | {times(at_09)} |")
     return lines + [""]
+
+
+def times(value) -> str:
+    return "–" if value is None else f"{value:.2f}×"
 
 
 def plot_pipelined(rec: dict) -> str:

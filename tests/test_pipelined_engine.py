@@ -181,10 +181,12 @@ def test_pipelined_greedy_equals_native(loopspec_llms, prompts, native_reference
 def test_in_flight_states_equal_serial_oracle(loopspec_llms, oracle, tokenizer):
     """Every state every pipelined token had, at every loop, equals a
     full-depth pass over its chain, including tokens later pruned or
-    replaced; every slot's KV after the step is the committed chain's."""
+    replaced, and so do the logits it proposed (loop 1, d1 = 1) and
+    verified (loop R) with. KV: test_forced_rejection_at_every_stage."""
     llm = pipelined(loopspec_llms, 4, 1)
     skip_unless_kv_readable(llm)
     drafter = model_runner(llm).drafter
+    model = model_runner(llm).model
     trace: list[dict] = []
     drafter.pipeline_trace = trace
     try:
@@ -208,7 +210,12 @@ def test_in_flight_states_equal_serial_oracle(loopspec_llms, oracle, tokenizer):
         if seq not in cache:
             cache[seq] = oracle.trace(torch.tensor(seq))
         ref = cache[seq]
-        torch.testing.assert_close(rec["state"], ref.hidden[rec["loop"]][0, rec["position"]], atol=ATOL, rtol=0)
+        want = ref.hidden[rec["loop"]][0, rec["position"]]
+        torch.testing.assert_close(rec["state"], want, atol=ATOL, rtol=0)
+        if rec["loop"] in (0, model.num_loops - 1):  # the depths whose logits propose and verify
+            with torch.no_grad():
+                torch.testing.assert_close(model.compute_logits(rec["state"][None]).float()[0],
+                                           oracle.lm_head(want).float(), atol=1e-3, rtol=1e-4)
         if list(seq) != committed[: len(seq)]:
             pruned_or_replaced += 1
     assert pruned_or_replaced > 0, "no pruned or replaced token was checked"
