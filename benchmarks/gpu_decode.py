@@ -13,7 +13,8 @@ warm-up, ``--repeats`` timed trials, median reported):
   captured in CUDA graphs, so that arm is eager there too);
 * Ouro-1.4B's shape in bf16 with ``load_format=dummy`` (random weights:
   acceptance is meaningless, the figures measure the cost of a round at the
-  real shape): native (eager) and loopspec K=4 (eager).
+  real shape): native (eager), loopspec K=4 (eager) and the pipelined
+  schedule (d1 1, K 8, second proposals at loop 2; eager).
 
 Runs on CPU too (slowly; use ``--skip-large``).
 """
@@ -69,6 +70,8 @@ def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in
                (ROOT / "benchmarks" / "prompts" / "code.jsonl").read_text().splitlines() if line.strip()]
     spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False}
+    pipelined = {"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 1, "schedule": "pipelined",
+                 "second_proposal_loop": 2}
     common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16)
     small = str(ROOT / "checkpoints" / "ouro-stdlib")
     arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),
@@ -84,7 +87,10 @@ def main() -> None:
             shutil.copy(ROOT / "checkpoints" / "ouro-stdlib" / name, large / name)
         big = dict(dtype="bfloat16", load_format="dummy", enforce_eager=True)
         arms += [("ouro-1.4b shape bf16 (dummy)", "native eager", str(large), big),
-                 ("ouro-1.4b shape bf16 (dummy)", "loopspec K4", str(large), big | {"speculative_config": spec})]
+                 ("ouro-1.4b shape bf16 (dummy)", "loopspec K4", str(large), big | {"speculative_config": spec}),
+                 # issue 12: on a GPU a loop group is a kernel launch, not 73 µs of host code.
+                 ("ouro-1.4b shape bf16 (dummy)", "pipelined d1 K8 s2", str(large),
+                  big | {"speculative_config": pipelined})]
     if args.arm is not None:  # one arm, in its own process (engines hold device memory until exit)
         model, arm, path, kwargs = arms[args.arm]
         llm = LLM(path, **common, **kwargs)

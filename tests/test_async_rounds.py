@@ -17,11 +17,11 @@ import torch
 from vllm import SamplingParams
 
 from conftest import MAX_BATCHED_TOKENS, make_llm
-from engine_access import drafter_hooks, engine_core, model_runner, read_kv, skip_unless_kv_readable
+from engine_access import drafter_hooks, engine_core, model_runner, skip_unless_kv_readable
 from prompts import MEDIUM, SHORT, long_prompt
 from test_loopspec_greedy import native_outputs
 from test_loopspec_serving import check_cancellation_frees_kv, check_preemption_keeps_output_exact
-from test_loopspec_state import forcing_rejection
+from test_loopspec_state import check_kv_equals_oracle, forcing_rejection, native_continuation
 from vllm_loopspec.speculative.runner import LoopSpecRunnerMixin, committed_per_row
 
 BUDGETS = [7, 13, 30]  # end inside a round for every K below
@@ -167,10 +167,7 @@ def test_async_forced_rejection_commits_right_tokens_and_kv_frontier(async_llms,
     llm = async_llms(K)
     runner = model_runner(llm)
     vocab = runner.model.config.vocab_size
-    prompt_ids = tokenizer(SHORT[3])["input_ids"]
-    params = SamplingParams(max_tokens=26, temperature=0, ignore_eos=True)
-    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-                  .outputs[0].token_ids)
+    prompt_ids, native, params = native_continuation(native_llm, tokenizer, 26)
     full = prompt_ids + native
 
     trace: list[dict] = []
@@ -186,16 +183,7 @@ def test_async_forced_rejection_commits_right_tokens_and_kv_frontier(async_llms,
     slot_of = {}
     for rnd in rounds:
         slot_of.update(zip(rnd["positions"], rnd["slots"]))
-    n_layers = runner.model.config.num_hidden_layers
-    ref = oracle.trace(torch.tensor(full[: max(slot_of) + 1]))
-    for p, slot in slot_of.items():
-        if p >= len(full) - 1:  # the final token is never forwarded
-            continue
-        for u in range(runner.model.num_loops):
-            for i in range(n_layers):
-                k, v = read_kv(llm, f"model.layers.{u * n_layers + i}.self_attn.attn", slot)
-                torch.testing.assert_close(k, ref.kv[u][i][0][0, :, p], atol=1e-4, rtol=0)
-                torch.testing.assert_close(v, ref.kv[u][i][1][0, :, p], atol=1e-4, rtol=0)
+    check_kv_equals_oracle(llm, oracle, full, slot_of)
 
 
 def test_async_cancelled_requests_free_their_kv(async_llms, tokenizer):

@@ -1,7 +1,8 @@
 """GPU checks (``make gpu-check``); every test here skips without CUDA.
 
 On a CUDA host: greedy loopspec equals native decoding in fp32 for K in
-{1, 4}, with native CUDA graphs on and off; a loopspec engine asked for
+{1, 4}, with native CUDA graphs on and off, and so does the pipelined
+schedule (K 8, d1 1, with and without second proposals); a loopspec engine asked for
 CUDA graphs runs eagerly (its rounds are not yet proven under graphs); a greedy round makes no host synchronisation
 (``torch.cuda.set_sync_debug_mode("error")`` while the round runs).
 """
@@ -41,6 +42,14 @@ def test_native_cuda_graphs_equal_eager(tiny_checkpoint, native_eager_tokens):
 def test_greedy_loopspec_equals_native_on_gpu(tiny_checkpoint, native_eager_tokens, k):
     llm = make_llm(tiny_checkpoint, {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": 2, "adaptive": False})
     assert _tokens(llm) == native_eager_tokens
+
+
+@pytest.mark.parametrize("second", [None, 2])
+def test_greedy_pipelined_equals_native_on_gpu(tiny_checkpoint, native_eager_tokens, second):
+    spec = {"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 1, "schedule": "pipelined"}
+    if second is not None:
+        spec["second_proposal_loop"] = second
+    assert _tokens(make_llm(tiny_checkpoint, spec)) == native_eager_tokens
 
 
 def test_loopspec_runs_eagerly_when_graphs_are_asked_for(tiny_checkpoint, native_eager_tokens):

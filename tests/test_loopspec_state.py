@@ -89,6 +89,16 @@ def test_reused_states_kv_and_logits_equal_serial_oracle(loopspec_llms, oracle, 
     assert checked["rejected_positions"] > 0
 
 
+def native_continuation(native_llm, tokenizer, max_tokens: int) -> tuple[list[int], list[int], SamplingParams]:
+    """The forced-rejection tests' request (SHORT[3], greedy): its prompt
+    ids, native's output for it and the sampling params."""
+    prompt_ids = tokenizer(SHORT[3])["input_ids"]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
+                  .outputs[0].token_ids)
+    return prompt_ids, native, params
+
+
 def forcing_rejection(full: list[int], vocab: int, reject_at: int):
     """A draft override: drafts 1..reject_at are the committed sequence's
     (``full``) tokens, draft reject_at+1 is wrong, later ones are left."""
@@ -115,11 +125,7 @@ def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, na
     runner = model_runner(llm)
     sched = engine_core(llm).scheduler
     vocab = runner.model.config.vocab_size
-    prompt_ids = tokenizer(SHORT[3])["input_ids"]
-    budget = 26
-    params = SamplingParams(max_tokens=budget, temperature=0, ignore_eos=True)
-    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-                  .outputs[0].token_ids)
+    prompt_ids, native, params = native_continuation(native_llm, tokenizer, 26)
     full = prompt_ids + native
 
     override = forcing_rejection(full, vocab, reject_at)
@@ -156,13 +162,20 @@ def test_forced_rejection_commits_right_tokens_and_kv_frontier(loopspec_llms, na
     skip_unless_kv_readable(llm)  # tokens and frontiers hold; the KV check needs the x86 layout
     # KV of every position a round touched equals the oracle's over the
     # committed sequence (rejected drafts' slots were rewritten later).
-    n_layers = runner.model.config.num_hidden_layers
+    check_kv_equals_oracle(llm, oracle, full, slot_of)
+
+
+def check_kv_equals_oracle(llm, oracle, full: list[int], slot_of: dict[int, int]) -> None:
+    """Every loop's and layer's KV at each position ``p`` of ``slot_of``
+    (position -> slot) equals the oracle's over the committed sequence
+    ``full`` (its final token is never forwarded, so is not checked)."""
+    model = model_runner(llm).model
+    n_layers = model.config.num_hidden_layers
     ref = oracle.trace(torch.tensor(full[: max(slot_of) + 1]))
-    last_committed = len(full) - 1  # the final token is never forwarded
     for p, slot in slot_of.items():
-        if p >= last_committed:
+        if p >= len(full) - 1:
             continue
-        for u in range(runner.model.num_loops):
+        for u in range(model.num_loops):
             for i in range(n_layers):
                 k, v = read_kv(llm, _layer_name(u, i, n_layers), slot)
                 k_ref, v_ref = ref.kv[u][i]

@@ -17,12 +17,12 @@ import torch
 from vllm import SamplingParams
 
 from conftest import make_llm
-from engine_access import engine_core, model_runner, read_kv, skip_unless_kv_readable
+from engine_access import engine_core, model_runner, skip_unless_kv_readable
 from prompts import SHORT
 from test_loopspec_greedy import BUDGETS, native_outputs
 from test_loopspec_sampling import build_v16, check_target_marginals
 from test_loopspec_serving import check_cancellation_frees_kv, check_preemption_keeps_output_exact
-from test_loopspec_state import _layer_name, _run_steps
+from test_loopspec_state import _run_steps, check_kv_equals_oracle, native_continuation
 from vllm_loopspec.speculative.pipeline import PipelineSchedule
 from vllm_loopspec.speculative.plan import StepLayout
 
@@ -242,10 +242,7 @@ def test_forced_rejection_at_every_stage(loopspec_llms, native_llm, oracle, toke
     runner = model_runner(llm)
     sched = engine_core(llm).scheduler
     vocab = runner.model.config.vocab_size
-    prompt_ids = tokenizer(SHORT[3])["input_ids"]
-    params = SamplingParams(max_tokens=23, temperature=0, ignore_eos=True)
-    native = list(native_llm.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)[0]
-                  .outputs[0].token_ids)
+    prompt_ids, native, params = native_continuation(native_llm, tokenizer, 23)
     full = prompt_ids + native
     drafter = runner.drafter
     trace: list[dict] = []
@@ -274,17 +271,7 @@ def test_forced_rejection_at_every_stage(loopspec_llms, native_llm, oracle, toke
     steps_with_slot = sum(1 for rnd in trace for r in rnd.values() if len(r["tokens"]) > wrong_slot)
     assert drafter.stats.pipelined_restarts - restarts_before == steps_with_slot > 0
     skip_unless_kv_readable(llm)
-    n_layers = runner.model.config.num_hidden_layers
-    ref = oracle.trace(torch.tensor(full[: max(slot_of) + 1]))
-    for p, slot in slot_of.items():
-        if p >= len(full) - 1:
-            continue
-        for u in range(runner.model.num_loops):
-            for i in range(n_layers):
-                k_got, v_got = read_kv(llm, _layer_name(u, i, n_layers), slot)
-                k_ref, v_ref = ref.kv[u][i]
-                torch.testing.assert_close(k_got, k_ref[0, :, p], atol=ATOL, rtol=0)
-                torch.testing.assert_close(v_got, v_ref[0, :, p], atol=ATOL, rtol=0)
+    check_kv_equals_oracle(llm, oracle, full, slot_of)
 
 
 def test_pipelined_cancellation_frees_kv(loopspec_llms, tokenizer):

@@ -64,8 +64,10 @@ from prompts import SHORT, long_prompt
 FUZZ_EXAMPLES = int(os.environ.get("LOOPSPEC_FUZZ_EXAMPLES", "25"))
 VOCAB = 512  # the tiny checkpoint's
 EOS = 0
-# loopspec engines the batches run on: (num_speculative_tokens, draft_loops).
-ENGINES = [(4, 2), (2, 1)]
+# loopspec engines the batches run on: (num_speculative_tokens, draft_loops[,
+# adaptive, schedule, second_proposal_loop]): two rounds, and the pipelined
+# schedule with second proposals (issue 12).
+ENGINES = [(4, 2), (2, 1), (4, 1, False, "pipelined", 2)]
 
 # EOS and tokens the tiny checkpoint emits often, so that stop tokens, allowed
 # tokens and logit biases actually bite.
@@ -106,7 +108,7 @@ class Row:
 
 @dataclass(frozen=True)
 class Batch:
-    engine: tuple[int, int]
+    engine: tuple  # one of ENGINES
     rows: list[Row]
 
 
@@ -436,7 +438,7 @@ class Engines:
     (one fixture with a short repr, so counterexamples print only the batch)."""
 
     def __init__(self, loopspec_llms, native_llm, tokenizer) -> None:
-        self.loopspec = loopspec_llms  # loopspec_llms(K, d)
+        self.loopspec = loopspec_llms  # loopspec_llms(*ENGINES[i])
         self.native = native_llm
         self.prompts = Prompts(tokenizer)
         self.engine_tokenizer = native_llm.get_tokenizer()
@@ -461,6 +463,8 @@ def test_request_batches_are_served_or_refused_never_fatal(engines, batch):
 def check_batch(engines: Engines, batch: Batch) -> None:
     """Properties (a)-(d) of the module docstring for one batch."""
     llm, native_llm, prompts = engines.loopspec(*batch.engine), engines.native, engines.prompts
+    if currently_in_test_context():
+        event(f"loopspec engine {batch.engine}")
     rows_ = batch.rows
     assert llm.reset_prefix_cache() and native_llm.reset_prefix_cache()
     spec = run_batch(llm, rows_, prompts)

@@ -16,7 +16,7 @@ set it). All hooks are off (``None``) until a caller sets them:
 * ``profile``: a dict; each round adds wall seconds per phase ("plan",
   "base", "draft", "draft_logits", "draft_choose", "draft_host", "verify").
 
-Always on with tensor parallelism: after each round the drafts every TP rank
+Always on with tensor parallelism: after each round (or pipelined step) the drafts every TP rank
 hands to vLLM (and wrote into its KV shard) are compared across the group,
 and a rank that drafted differently stops the engine
 (:class:`TensorParallelDraftMismatch`).
@@ -73,6 +73,10 @@ class DebugLoopSpecDrafter(LoopSpecDrafter):
     # -- tensor parallelism ----------------------------------------------------
     def hand_off(self, plan, output, chooser, spec_metadata) -> None:
         super().hand_off(plan, output, chooser, spec_metadata)
+        check_same_drafts_on_every_tp_rank(spec_metadata.draft_token_ids)
+
+    def hand_off_chain(self, layout, output, spec_metadata) -> None:
+        super().hand_off_chain(layout, output, spec_metadata)
         check_same_drafts_on_every_tp_rank(spec_metadata.draft_token_ids)
 
     # -- draft override and trace -------------------------------------------------

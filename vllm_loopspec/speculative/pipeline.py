@@ -110,7 +110,8 @@ class PipelineSchedule:
             Entry(r, int(layout.query_start[r]), int(ends[r] - layout.query_start[r]),
                   int(layout.seq_lens[r] - layout.num_drafts[r]))
             for r in range(layout.num_rows) if ends[r] > layout.query_start[r]]
-        # Slot j = 1..K_i of each speculating row (index j - 1).
+        # Slot j = 1..K_i of each speculating row at index j - 1; the methods
+        # below take the *predecessor's* slot j - 1, which is the same index.
         self.depth = {r: [NOT_STARTED] * self.num_drafts[r] for r in self.spec_rows}
         self.token = {r: [0] * self.num_drafts[r] for r in self.spec_rows}
         # What each slot holds: "first" (its first proposal), "second" (a
@@ -122,9 +123,6 @@ class PipelineSchedule:
     def flat(self, row: int, slot: int) -> int:
         """Flat index of slot ``slot`` (0 = ``A``) of speculating row ``row``."""
         return self.anchor[row] + slot
-
-    def slot_depth(self, row: int, slot: int) -> int:
-        return self.base_depth if slot == 0 else self.depth[row][slot - 1]
 
     @property
     def done(self) -> bool:
@@ -295,15 +293,18 @@ class SampledDecider:
         noise = self._uniform(row, probs.shape, probs.device).clamp_min_(1e-30).log_().neg_()
         return int((probs / noise).argmax())
 
-    def propose(self, logits, slots):
-        rows = [r for r, _ in slots]
+    def _distributions(self, logits, slots) -> tuple[list[int], torch.Tensor | None]:
+        """The argmax of every slot's logits and, when a slot samples, the
+        processed distributions of all of them."""
         greedy = logits.argmax(dim=-1).tolist()
-        if not any(self.sampled[r] for r in rows):
-            return greedy
-        q = self.process(logits, rows)
+        rows = [r for r, _ in slots]
+        return greedy, (self.process(logits, rows) if any(self.sampled[r] for r in rows) else None)
+
+    def propose(self, logits, slots):
+        greedy, q = self._distributions(logits, slots)
         out = []
         for i, (r, j) in enumerate(slots):
-            if self.sampled[r]:
+            if q is not None and self.sampled[r]:
                 self.proposal_q[(r, j)] = q[i]
                 out.append(self._draw(q[i], r))
             else:
@@ -315,14 +316,10 @@ class SampledDecider:
         ``c ~ q`` against the distribution of ``logits``: ``c`` kept with
         ``min(1, p/q)``, else a draw from ``norm(max(p - q, 0))``; either way
         the result is a draw from ``p``."""
-        rows = [r for r, _ in slots]
-        greedy = logits.argmax(dim=-1).tolist()
-        if not any(self.sampled[r] for r in rows):
-            return greedy
-        p = self.process(logits, rows)
+        greedy, p = self._distributions(logits, slots)
         out = []
         for i, ((r, j), c) in enumerate(zip(slots, proposals)):
-            if not self.sampled[r]:
+            if p is None or not self.sampled[r]:
                 out.append(greedy[i])
                 continue
             q = self.proposal_q.pop((r, j))
