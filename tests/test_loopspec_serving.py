@@ -40,11 +40,18 @@ def stop_inside_first_round(native_llm, tokenizer):
     return cases[:STOP_CASES]
 
 
+# Both schedules: a pipelined step hands vLLM a verified chain, and vLLM's
+# stop handling and continuous batching must treat it as any round's.
+SCHEDULES = ["round", "pipelined"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("case", range(STOP_CASES))
-def test_stop_token_inside_accepted_run_cuts_there(loopspec_llms, native_llm, stop_inside_first_round, case):
+def test_stop_token_inside_accepted_run_cuts_there(loopspec_llms, native_llm, stop_inside_first_round, case,
+                                                   schedule):
     """All drafts are accepted (forced to the target's tokens); a stop token
     that is the 2nd/3rd draft of a round ends the output there, like EOS."""
-    llm = loopspec_llms(K)
+    llm = loopspec_llms(K, schedule=schedule)
     runner = model_runner(llm)
     prompt_ids, free_run, stop_index = stop_inside_first_round[case]
     full = prompt_ids + free_run
@@ -67,8 +74,9 @@ def test_stop_token_inside_accepted_run_cuts_there(loopspec_llms, native_llm, st
     assert stop_token in first_round["tokens"][1:-1], "the stop token was not inside the accepted run"
 
 
-def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer):
-    llm = loopspec_llms(K)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer, schedule):
+    llm = loopspec_llms(K, schedule=schedule)
     runner = model_runner(llm)
     prompt_ids = tokenizer(SHORT[1])["input_ids"]
     free_ids, free_text = _native(native_llm, prompt_ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
@@ -85,9 +93,11 @@ def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer):
     assert len(expected_ids) < 30
 
 
-def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm, tokenizer):
-    """Prefill chunks share steps with speculating requests."""
-    llm = loopspec_llms(K)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm, tokenizer, schedule):
+    """Prefill chunks share steps with speculating requests (pipelined: the
+    same ticks)."""
+    llm = loopspec_llms(K, schedule=schedule)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     arrivals = {0: [SHORT[0], SHORT[1]], 2: [long_prompt(300, tokenizer)], 5: [MEDIUM[0], SHORT[4]]}
     expected = {}
