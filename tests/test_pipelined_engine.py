@@ -25,6 +25,7 @@ from test_loopspec_serving import check_cancellation_frees_kv, check_preemption_
 from test_loopspec_state import _run_steps, check_kv_equals_oracle, native_continuation
 from vllm_loopspec.speculative.pipeline import PipelineSchedule
 from vllm_loopspec.speculative.plan import StepLayout
+from vllm_loopspec.speculative.planes import plane_offsets, stack_loop_planes
 
 # (K, d1, d2): every draft depth, K from 1 to 8, second proposals at both depths d1 = 1 allows.
 PIPELINES = [(1, 2, None), (4, 1, None), (8, 2, None), (4, 3, None), (4, 1, 2), (8, 1, 3)]
@@ -72,6 +73,38 @@ def _drive(schedule, truth, wrong_first=frozenset(), right_second=True):
                     for k in range(j + 1, schedule.num_drafts[r] + 1):
                         ran[(r, k)] = set()  # restarted or pruned: its loops run again
     return schedule.drafts()
+
+
+def test_stacked_planes_address_every_plane_in_one_view():
+    """Planes a whole number of blocks apart in one buffer (as vLLM lays
+    out its caches) become one view per layer; other layouts are refused."""
+    blocks, loops, layers = 4, 3, 2
+    buffer = torch.arange(loops * layers * blocks * 6, dtype=torch.float32).view(layers, loops, blocks, 1, 2, 3)
+    planes = {(u, i): buffer[i, u] for u in range(loops) for i in range(layers)}
+    stacked = stack_loop_planes(planes, lambda u, i: (u, i), layers, loops, block_size=2)
+    assert stacked.block_offset == (0, blocks, 2 * blocks)
+    for i in range(layers):
+        for u in range(loops):
+            for b in range(blocks):
+                view = stacked.caches[i][stacked.block_offset[u] + b]
+                assert view.data_ptr() == planes[(u, i)][b].data_ptr() and torch.equal(view, planes[(u, i)][b])
+    # Planes in separate allocations, or layers laid out differently: refused.
+    assert stack_loop_planes({k: v.clone() for k, v in planes.items()}, lambda u, i: (u, i), layers, loops, 2) is None
+    swapped = dict(planes)
+    swapped[(0, 1)], swapped[(1, 1)] = planes[(1, 1)], planes[(0, 1)]
+    assert stack_loop_planes(swapped, lambda u, i: (u, i), layers, loops, 2) is None
+    assert plane_offsets([buffer[0, 0], buffer[0, 1][:, :, :, :2]]) is None  # other shape
+
+
+def test_pipelined_engines_run_every_pass_in_one_attention_call(loopspec_llms):
+    """The test engines' caches allow stacking, so every multi-group pass of
+    the tests above took the merged call (an engine with a KV connector, or
+    off the CPU backend, keeps one call per group)."""
+    drafter = model_runner(pipelined(loopspec_llms, 4, 1)).drafter
+    planes = drafter.stacked_planes()
+    assert planes is not None
+    assert len(planes.caches) == drafter.model.config.num_hidden_layers
+    assert len(set(planes.block_offset)) == drafter.num_loops
 
 
 @pytest.mark.parametrize("d1", [1, 2, 3])

@@ -5,7 +5,9 @@ it, vLLM's ``Attention`` calls, one per loop group and layer), the per-tick
 
     .venv/bin/python benchmarks/probes/pipeline_tick_split.py [d1] [K] [concurrency]
 
-Writes ``benchmarks/results/pipeline_tick_split.json``. One engine, one
+Writes ``benchmarks/results/pipeline_tick_split.json`` (with
+``VLLM_LOOPSPEC_MERGED_PLANES=0``, one attention call per loop group:
+``pipeline_tick_split_per_group.json``). One engine, one
 warm-up, then one timed trial of 128 tokens per request; the wrappers add a
 few perf_counter calls per tick.
 """
@@ -78,6 +80,7 @@ def main() -> None:
         "probe": "pipeline_tick_split", "command": "python benchmarks/probes/pipeline_tick_split.py "
                                                   + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "d1": d1, "K": k, "concurrency": c,
+        "merged_planes": model_runner(llm).drafter.stacked_planes() is not None,
         "tokens_per_s": {"native": native_trial["tokens_per_s"], "pipelined": trial["tokens_per_s"]},
         "native_loop_ms": native_trial["forward_seconds"] / native_trial["steps"] / loops * 1e3,
         "native_step_ms": native_trial["seconds"] / native_trial["steps"] * 1e3,
@@ -85,7 +88,8 @@ def main() -> None:
         "attention_calls_per_tick": attention_calls[0] / ticks,
         "us_per_attention_call": seconds["Attention calls"] / max(attention_calls[0], 1) * 1e6,
     }
-    out = ROOT / "benchmarks" / "results" / "pipeline_tick_split.json"
+    name = "pipeline_tick_split.json" if record["merged_planes"] else "pipeline_tick_split_per_group.json"
+    out = ROOT / "benchmarks" / "results" / name
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,30 +77,67 @@ def kv_layer_name(loop: int, layer: int, num_layers: int) -> str:
     return f"model.layers.{loop * num_layers + layer}.self_attn.attn"
 
 
+@dataclass(frozen=True)
+class MergedAttention:
+    """Every loop group of a tick in one attention call per layer: the
+    tick's rows under one metadata whose blocks and slots address each row's
+    own loop plane inside ``caches[layer]`` (one view over every plane of a
+    physical layer, :mod:`vllm_loopspec.speculative.planes`)."""
+
+    metadata: Any
+    slot_mapping: torch.Tensor
+    caches: tuple[torch.Tensor, ...]
+
+
 class _RunningTick:
     """The loop groups of the tick being run (one engine process runs one
-    forward at a time)."""
+    forward at a time), and their merged attention when there is one."""
 
     groups: Sequence[LoopGroup] = ()
+    merged: MergedAttention | None = None
 
 
 _RUNNING_TICK = _RunningTick()
 
 
 @contextmanager
-def running_tick(groups: Sequence[LoopGroup]):
-    previous, _RUNNING_TICK.groups = _RUNNING_TICK.groups, tuple(groups)
+def running_tick(groups: Sequence[LoopGroup], merged: MergedAttention | None = None):
+    previous = _RUNNING_TICK.groups, _RUNNING_TICK.merged
+    _RUNNING_TICK.groups, _RUNNING_TICK.merged = tuple(groups), merged
     try:
         yield
     finally:
-        _RUNNING_TICK.groups = previous
+        _RUNNING_TICK.groups, _RUNNING_TICK.merged = previous
+
+
+def _merged_attention(q, k, v, layer: int, num_layers: int, merged: MergedAttention) -> torch.Tensor:
+    """One call of the backend for every row of the tick: loop 0's layer
+    supplies the implementation and the KV scales (the same for every loop
+    of a layer); the cache is the layer's view over every loop plane.
+    This is what vLLM's ``Attention.forward`` does for one layer (write the
+    new KV, then attend), minus its per-call lookups."""
+    from vllm.forward_context import get_forward_context
+
+    attention = get_forward_context().no_compile_layers[kv_layer_name(0, layer, num_layers)]
+    cache = merged.caches[layer]
+    rows = q.shape[0]
+    q = q.view(rows, attention.num_heads, attention.head_size)
+    k = k.view(rows, attention.num_kv_heads, attention.head_size)
+    v = v.view(rows, attention.num_kv_heads, attention.head_size_v)
+    attention.impl.do_kv_cache_update(attention, k, v, cache, merged.slot_mapping)
+    out = torch.empty((rows, attention.num_heads, attention.head_size_v), dtype=q.dtype, device=q.device)
+    attention.impl.forward(attention, q, k, v, cache, merged.metadata, output=out)
+    return out.view(rows, -1)
 
 
 def _tick_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, num_layers: int) -> torch.Tensor:
     """Attention of ``layer`` for the running tick: each loop group's rows
-    against that loop's ``Attention`` (its own KV and metadata)."""
+    against that loop's ``Attention`` (its own KV and metadata), or all of
+    them in one call where the tick has a merged attention."""
     from vllm.forward_context import get_forward_context
 
+    if _RUNNING_TICK.merged is not None:
+        return _merged_attention(q, k, v, layer, num_layers, _RUNNING_TICK.merged)
     attention = get_forward_context().no_compile_layers
     groups = _RUNNING_TICK.groups
     if len(groups) == 1:
@@ -263,13 +301,19 @@ class OuroModel(nn.Module):
         return hidden_states
 
     def run_tick(
-        self, hidden_states: torch.Tensor, positions: torch.Tensor, groups: Sequence[LoopGroup]
+        self, hidden_states: torch.Tensor, positions: torch.Tensor, groups: Sequence[LoopGroup],
+        merged: MergedAttention | None = None,
     ) -> torch.Tensor:
         """One tick: every row advances one loop (row ``r`` of group ``g``
         from loop ``g.loop``'s input to its normed exit state). The groups
         tile the rows in order; the current forward context holds, for each
         group's loop, attention metadata over exactly that group's rows.
         Runs the compiled tick (:class:`OuroTick`) in vLLM's compile mode."""
+        if merged is not None:  # the op reads the merged attention when it runs
+            with running_tick(groups, merged):
+                if self.tick.do_not_compile:
+                    return self.apply_stack(hidden_states, positions, None)
+                return self.tick(hidden_states, positions)
         if self.tick.do_not_compile or torch.compiler.is_compiling():
             # Eager, or traced into ``forward``'s graph: the groups are known here.
             return self.apply_stack(hidden_states, positions, groups)

@@ -33,6 +33,7 @@ from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOpt
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
                                                  SampledDecider, run_pipelined)
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
+from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
@@ -87,6 +88,7 @@ class LoopSpecDrafter:
         self._committed_prev: _Committed | None = None
         self._step_start = 0.0
         self._step_end: float | None = None
+        self._planes: tuple[StackedPlanes | None] | None = None  # found at the first pipelined step
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -404,12 +406,38 @@ class LoopSpecDrafter:
                                             slot_mapping[torch.from_numpy(flat).to(device)])
             return built[key]
 
+        from vllm_loopspec.models.ouro import MergedAttention
+
+        planes = self.stacked_planes()
+        merged_built: dict[tuple, MergedAttention] = {}
+
+        def merge(groups: list[tuple[int, list[Entry]]]) -> MergedAttention:
+            """Every group of a pass under one metadata: each row's blocks and
+            slots shifted to its loop's plane in the stacked views."""
+            key = tuple((loop, tuple(entries)) for loop, entries in groups)
+            if key not in merged_built:
+                entries = [e for _, group in groups for e in group]
+                offsets = np.array([planes.block_offset[loop] for loop, group in groups for _ in group], np.int64)
+                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+                token_offsets = np.repeat(offsets, [e.count for e in entries])
+                rows = np.array([e.row for e in entries], np.int64)
+                block_table = (common.block_table_tensor[torch.from_numpy(rows).to(device)]
+                               + torch.from_numpy(offsets).to(device, common.block_table_tensor.dtype)[:, None])
+                slots = (slot_mapping[torch.from_numpy(flat).to(device)]
+                         + torch.from_numpy(token_offsets * planes.block_size).to(device, slot_mapping.dtype))
+                tick = tick_attention(common, attn_group, device, np.array([e.count for e in entries], np.int32),
+                                      np.array([e.seq_len for e in entries], np.int64), rows, slots,
+                                      block_table=block_table)
+                merged_built[key] = MergedAttention(tick.metadata, slots, planes.caches)
+            return merged_built[key]
+
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
         decider = self._pipeline_decider(layout)
         try:
             output = run_pipelined(schedule, model, decider, attention, input_ids, positions,
-                                   self.pipeline_override(layout), self.pipeline_observer(layout, positions))
+                                   self.pipeline_override(layout), self.pipeline_observer(layout, positions),
+                                   merge if planes is not None else None)
         finally:
             model.restore()
         self.hand_off_chain(layout, output, spec_metadata)
@@ -462,6 +490,34 @@ class LoopSpecDrafter:
             offset += int(layout.num_drafts[row])
         runner._draft_probs = probs
         runner._draft_prob_req_ids = [runner.input_batch.req_ids[r] for r in spec_rows]
+
+    def stacked_planes(self) -> StackedPlanes | None:
+        """Every loop plane of each layer as one KV view (one attention call
+        per pass; :mod:`.planes`), found once the caches are bound; None where
+        the layout does not allow it, off the CPU backend (its caches are
+        blocks-first), with a KV connector (the merged call skips vLLM's
+        per-layer connector hooks) or with ``VLLM_LOOPSPEC_MERGED_PLANES=0``."""
+        if self._planes is None:
+            self._planes = (self._find_stacked_planes(),)
+        return self._planes[0]
+
+    def _find_stacked_planes(self) -> StackedPlanes | None:
+        import os
+
+        from vllm.platforms import current_platform
+        from vllm_loopspec.models.ouro import kv_layer_name
+
+        if (not current_platform.is_cpu() or self.vllm_config.kv_transfer_config is not None
+                or os.environ.get("VLLM_LOOPSPEC_MERGED_PLANES", "1") == "0"):
+            return None
+        layers = self.runner.compilation_config.static_forward_context
+        n = self.model.config.num_hidden_layers
+        names = [kv_layer_name(u, i, n) for u in range(self.num_loops) for i in range(n)]
+        caches = {name: getattr(layers.get(name), "kv_cache", None) for name in names}
+        block_size = self.runner.cache_config.block_size
+        if any(not isinstance(c, torch.Tensor) or c.dim() != 4 or c.shape[2] != block_size for c in caches.values()):
+            return None  # not the CPU backend's [blocks, kv_heads, block_size, 2 * head_size]
+        return stack_loop_planes(caches, lambda u, i: kv_layer_name(u, i, n), n, self.num_loops, block_size)
 
     def pipeline_override(self, layout: StepLayout):
         """Test hook (:class:`~.debug.DebugLoopSpecDrafter`): a replacement
@@ -575,13 +631,14 @@ class _PipelineServedModel:
     def embed(self, token_ids):
         return self.model.embed_input_ids(token_ids)
 
-    def tick(self, hidden, positions, groups):
+    def tick(self, hidden, positions, groups, merged=None):
         from vllm_loopspec.models.ouro import LoopGroup
 
         for loop, start, end, attention in groups:
-            attention.activate(self.names[loop], self.context)
+            if attention is not None:
+                attention.activate(self.names[loop], self.context)
             self.stats.count_loop_rows(range(loop, loop + 1), end - start)
-        return self.model.model.run_tick(hidden, positions, [LoopGroup(u, s, e) for u, s, e, _ in groups])
+        return self.model.model.run_tick(hidden, positions, [LoopGroup(u, s, e) for u, s, e, _ in groups], merged)
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden)

@@ -234,9 +234,10 @@ class PipelineModel(Protocol):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor: ...
 
     def tick(self, hidden: torch.Tensor, positions: torch.Tensor,
-             groups: Sequence[tuple[int, int, int, TickAttention]]) -> torch.Tensor:
+             groups: Sequence[tuple[int, int, int, TickAttention | None]], merged=None) -> torch.Tensor:
         """One pass: rows ``[start, end)`` at ``loop`` under ``attention``
-        for each ``(loop, start, end, attention)``."""
+        for each ``(loop, start, end, attention)``; or, with ``merged``, every
+        group's attention in one call per layer (the groups' own are None)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -355,9 +356,12 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                   input_ids: torch.Tensor, positions: torch.Tensor,
                   override: Callable[[int, int, int], int] | None = None,
                   on_pass: Callable[[list[tuple[int, list[Entry]]], torch.Tensor, torch.Tensor], None] | None = None,
+                  merge: Callable[[list[tuple[int, list[Entry]]]], object] | None = None,
                   ) -> PipelineOutput:
     """Run the step's ticks until every slot is verified at depth ``R``.
-    ``attention(entries)`` builds one loop group's attention metadata.
+    ``attention(entries)`` builds one loop group's attention metadata;
+    ``merge(groups)``, where given, one attention for every group of a pass
+    that has several (:class:`~vllm_loopspec.models.ouro.MergedAttention`).
     Test hooks: ``override(row, slot, token)`` replaces first proposals;
     ``on_pass(groups, token_ids, states)`` sees every pass just after it ran
     (the step's current tokens and newest states by flat index)."""
@@ -368,13 +372,14 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
     while not schedule.done:
         for groups in schedule.passes():
             index, spans, start = [], [], 0
+            merged = merge(groups) if merge is not None and len(groups) > 1 else None
             for loop, entries in groups:
                 key = tuple(entries)
                 flat = flat_of.get(key)
                 if flat is None:
                     flat = flat_of[key] = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
                 index.append(flat)
-                spans.append((loop, start, start + len(flat), attention(entries)))
+                spans.append((loop, start, start + len(flat), None if merged is not None else attention(entries)))
                 start += len(flat)
             flat_all = torch.from_numpy(np.concatenate(index)).to(token_ids.device)
             first_loop, _, first_end, _ = spans[0]
@@ -386,7 +391,7 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                     hidden = torch.cat([hidden, states[flat_all[first_end:]]])
             else:
                 hidden = states[flat_all]
-            states[flat_all] = model.tick(hidden, positions[flat_all], spans)
+            states[flat_all] = model.tick(hidden, positions[flat_all], spans, merged)
             schedule.counts.passes += 1
             if on_pass is not None:
                 on_pass(groups, token_ids, states)

@@ -113,11 +113,13 @@ def padded_rows(num_rows: int, buckets: list[int] | None) -> int:
 
 
 def tick_attention(common, attn_group, device: torch.device, query_lens: np.ndarray, seq_lens: np.ndarray,
-                   rows: np.ndarray, slots: torch.Tensor, masked_rows: int = 0) -> TickAttention:
+                   rows: np.ndarray, slots: torch.Tensor, masked_rows: int = 0,
+                   block_table: torch.Tensor | None = None) -> TickAttention:
     """Attention metadata of one tick (or one loop group of a tick): request
-    rows ``rows`` of the step (their block tables), ``query_lens`` tokens
-    each ending at ``seq_lens``, writing KV at ``slots``; built by the
-    runner's own builder from the step's ``CommonAttentionMetadata``."""
+    rows ``rows`` of the step (their block tables, unless ``block_table``
+    gives them), ``query_lens`` tokens each ending at ``seq_lens``, writing
+    KV at ``slots``; built by the runner's own builder from the step's
+    ``CommonAttentionMetadata``."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     qsl = np.zeros(len(rows) + 1, dtype=np.int32)
@@ -131,7 +133,8 @@ def tick_attention(common, attn_group, device: torch.device, query_lens: np.ndar
         num_actual_tokens=int(qsl[-1]),
         max_query_len=int(np.max(query_lens, initial=0)),
         max_seq_len=int(np.max(seq_lens, initial=0)),
-        block_table_tensor=common.block_table_tensor[torch.from_numpy(np.asarray(rows)).to(device, non_blocking=True)],
+        block_table_tensor=(common.block_table_tensor[torch.from_numpy(np.asarray(rows)).to(device, non_blocking=True)]
+                            if block_table is None else block_table),
         slot_mapping=slots,
         causal=True,
     )
