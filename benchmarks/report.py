@@ -16,6 +16,7 @@ policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``),
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
@@ -25,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))  # sibling scripts: pipeline_ceiling prices the pipelined schedule
 RESULTS = BENCH / "results"
 PLOTS = RESULTS / "plots"
 PAGE = BENCH / "RESULTS.md"
