@@ -77,7 +77,11 @@ def arm_specs(args) -> dict[str, dict | None]:
             arms[f"loopspec d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
                                            "adaptive": False}
         if args.adaptive:
-            arms[f"loopspec d{d} adaptive"] = {"method": "loopspec", "draft_loops": d}
+            for schedule in args.adaptive_schedules:
+                # "adaptive": the policy's rounds and plain steps; "auto": those
+                # or pipelined steps, chosen per step by measured rate.
+                name = f"loopspec d{d} adaptive" if schedule == "round" else f"loopspec d{d} auto"
+                arms[name] = {"method": "loopspec", "draft_loops": d, "schedule": schedule}
     for d in args.pipelined_draft_loops:
         for k in args.pipelined_ks:
             arms[f"pipelined d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
@@ -139,13 +143,14 @@ class SchedulerSpecCounter:
         return json.loads(json.dumps(self.totals))
 
 
-PIPELINE_COUNTERS = ("pipelined_ticks", "pipelined_restarts", "pipelined_pruned", "pipelined_second_proposals",
+PIPELINE_COUNTERS = ("pipelined_steps", "pipelined_ticks", "pipelined_restarts", "pipelined_pruned",
+                     "pipelined_second_proposals",
                      "pipelined_second_kept", "drafted_tokens", "accepted_tokens", "rounds")
 
 
 def pipeline_counters(llm) -> dict | None:
     drafter = getattr(model_runner(llm), "drafter", None)
-    if drafter is None or drafter.options.schedule != "pipelined":
+    if drafter is None or drafter.options.schedule not in ("pipelined", "auto"):
         return None
     stats = drafter.stats
     return {name: getattr(stats, name) for name in PIPELINE_COUNTERS}
@@ -235,7 +240,16 @@ def policy_snapshot(llm) -> dict:
                for (bucket, mix), by_k in sorted(getattr(controller, "_ratios", {}).items())}
     calibration = {("sampled" if mode else "greedy"): [round(float(r), 3) for r in c.ratios()]
                    for mode, c in getattr(controller, "_calibration", {}).items()}
+    chooser = model_runner(llm).drafter.chooser
+    schedule = None if chooser is None else {
+        "decisions (pipelined?, reason)": {f"{'pipelined' if p else 'policy'} {why}": n
+                                           for (p, why), n in sorted(chooser.decisions.items())},
+        "rates (tok/s, samples) by width bucket and mix": {
+            f"width bucket {bucket} mix {mix}": {("pipelined" if arm else "policy"): [round(r.rate, 1), r.samples]
+                                                  for arm, r in key.arms.items()}
+            for (bucket, mix), key in sorted(chooser._keys.items())}}
     return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec, "context": costs.context},
+            "schedule_choice": schedule,
             "time_factors (measured/predicted, samples)": factors,
             "acceptance calibration (accepted/estimated, by position)": calibration,
             "armed": controller.armed, "cap": controller.cap, "decisions_in_last_4096_steps": decisions}
@@ -291,6 +305,9 @@ def main() -> None:
     ap.add_argument("--temperatures", "--temperature", type=float, nargs="+", default=[0.0],
                     help="0 = greedy; > 0 samples with a per-request seed (same seeds for every arm)")
     ap.add_argument("--adaptive", action="store_true", help="add loopspec's adaptive policy at each d")
+    ap.add_argument("--adaptive-schedules", nargs="+", default=["round"], choices=["round", "auto"],
+                    help="the adaptive arms' schedule: round (arm 'loopspec dD adaptive') and/or auto "
+                         "('loopspec dD auto': rounds, plain or pipelined steps by measured rate)")
     ap.add_argument("--pipelined-draft-loops", type=int, nargs="*", default=[],
                     help="add the pipelined schedule at these d1 (with --pipelined-ks)")
     ap.add_argument("--pipelined-ks", type=int, nargs="+", default=[4, 8, 16])
@@ -366,7 +383,8 @@ def main() -> None:
                     summary["speedup_over_ceiling"] = summary["speedup"] / summary["cost_model"]["ceiling"]
                 row[name] = summary
             results[cell_name(*cell)][str(c)] = row
-    policies = {name: policy_snapshot(llm) for name, llm in engines.items() if name.endswith("adaptive")}
+    policies = {name: policy_snapshot(llm) for name, llm in engines.items()
+                if name.endswith(" adaptive") or name.endswith(" auto")}
 
     record = {
         "benchmark": "kv_sweep",

@@ -41,6 +41,7 @@ def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
             ({"method": "loopspec", "num_speculative_tokens": 2, "max_speculative_tokens": 6}, 6, 2, True),
             ({"method": "loopspec", "num_speculative_tokens": 4, "adaptive": False}, 4, 2, False),
             ({"method": "loopspec", "draft_loops": "auto"}, 8, 2, True),
+            ({"method": "loopspec", "schedule": "auto"}, 16, 2, True),
             ("loopspec", 8, 2, True)]:
         cfg = _config(tiny_checkpoint, spec)
         assert cfg.speculative_config.method == "custom_class"
@@ -49,6 +50,17 @@ def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
         assert cfg.additional_config["loopspec"]["draft_loops"] == d
         assert cfg.additional_config["loopspec"]["adaptive"] is adaptive
         assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
+
+
+def test_auto_schedule_defaults_its_second_proposal_where_the_model_allows_one(tiny_checkpoint):
+    """With "auto" a pipelined step refines at 2 d where 2 d < R (R = 4 here)."""
+    for spec, d2 in [({"schedule": "auto", "draft_loops": 1}, 2),
+                     ({"schedule": "auto", "draft_loops": 1, "second_proposal_loop": 3}, 3),
+                     ({"schedule": "auto", "draft_loops": 2}, None),
+                     ({"schedule": "pipelined", "draft_loops": 1}, None)]:
+        options = _config(tiny_checkpoint, {"method": "loopspec", **spec}).additional_config["loopspec"]
+        assert options["second_proposal_loop"] == d2
+        assert options["adaptive"] is (spec["schedule"] == "auto")
 
 
 def test_loopspec_engines_keep_vllms_compile_mode_on_cpu(tiny_checkpoint):
@@ -104,7 +116,12 @@ def test_cli_parses_bare_word():
          "drop max_speculative_tokens or set \"adaptive\": true"),
         ({"method": "loopspec", "draft_loops": 0}, {}, "1 <= draft_loops < total_ut_steps (4)"),
         ({"method": "loopspec", "K": 4}, {}, "unknown loopspec option(s) ['K']"),
-        ({"method": "loopspec", "schedule": "wavefront"}, {}, "schedule must be one of ['round', 'pipelined']"),
+        ({"method": "loopspec", "schedule": "wavefront"}, {},
+         "schedule must be one of ['round', 'pipelined', 'auto']"),
+        ({"method": "loopspec", "schedule": "auto", "adaptive": False}, {},
+         'drop "adaptive": false, or pin a schedule'),
+        ({"method": "loopspec", "schedule": "auto", "draft_loops": 2, "second_proposal_loop": 3}, {},
+         "must be a multiple of draft_loops (2)"),
         ({"method": "loopspec", "schedule": "pipelined", "adaptive": True}, {},
          'drop "adaptive" (or set it to false) with "pipelined"'),
         ({"method": "loopspec", "second_proposal_loop": 3}, {}, 'add "schedule": "pipelined"'),

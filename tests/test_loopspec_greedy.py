@@ -13,9 +13,14 @@ KS = [1, 2, 4, 8]
 # The adaptive policy (warm-up K 4, at most 8): plain steps, K from 1 to 8,
 # per-request K_i, explored and fitted decisions.
 ADAPTIVE = "adaptive"
+# "schedule": "auto" at d = 1: the adaptive policy's steps and pipelined
+# steps (16 slots, second proposals at loop 2), switching between steps.
+AUTO = "auto"
 
 
 def engine(loopspec_llms, k):
+    if k == AUTO:
+        return loopspec_llms(4, 1, adaptive=True, schedule="auto")
     return loopspec_llms(4, adaptive=True) if k == ADAPTIVE else loopspec_llms(k)
 # Budgets that end inside a round for every K above (not 1 + multiples of K+1).
 BUDGETS = [7, 13, 30]
@@ -48,7 +53,7 @@ def native_outputs(native_llm, prompts, budgets) -> dict:
     return ref
 
 
-@pytest.mark.parametrize("k", KS + [ADAPTIVE])
+@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO])
 def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
     llm = engine(loopspec_llms, k)
     for budget in BUDGETS:
@@ -60,7 +65,7 @@ def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
                 assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, budget, p[:40])
 
 
-@pytest.mark.parametrize("k", KS + [ADAPTIVE])
+@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO])
 def test_width_1_equals_native(loopspec_llms, prompts, native_reference, k):
     llm = engine(loopspec_llms, k)
     for p in [prompts[0], prompts[8], prompts[10], prompts[11]]:  # short, medium, two chunked
@@ -132,3 +137,21 @@ def test_adaptive_decisions_are_varied_and_exact(loopspec_llms, prompts, native_
     assert controller.costs is not None, "the cost model was never fitted"
     assert 0 in ticks and len(ticks - {0}) >= 3, ticks
     assert {"warmup", "policy", "explore"} <= reasons, reasons
+
+
+def test_auto_schedule_switches_between_schedules_and_stays_exact(loopspec_llms, prompts, native_reference):
+    """The "auto" rows of the matrix above are not vacuous: over widths 8
+    and 1 the engine runs both pipelined steps and the policy's rounds, and
+    switches between them from one step to the next."""
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    for batch in (prompts[:8], prompts[8:16], [prompts[0]], [prompts[9]], [prompts[3]]):
+        for p, o in zip(batch, llm.generate(batch, params, use_tqdm=False)):
+            assert list(o.outputs[0].token_ids) == native_reference[(p, 30)], p[:40]
+    stats = drafter.stats
+    assert stats.pipelined_steps > 0 and stats.rounds > stats.pipelined_steps, (stats.pipelined_steps, stats.rounds)
+    assert stats.pipelined_second_proposals > 0  # the default second proposal at 2 d
+    chosen = {pipelined for pipelined, _ in drafter.chooser.decisions}
+    assert chosen == {False, True}, drafter.chooser.decisions
+    assert drafter.chooser.rates(8, 0) and drafter.chooser.rates(1, 0)

@@ -35,6 +35,7 @@ from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOu
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
+from vllm_loopspec.speculative.schedule_choice import ScheduleChooser
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
 TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
@@ -89,6 +90,15 @@ class LoopSpecDrafter:
         self._step_start = 0.0
         self._step_end: float | None = None
         self._planes: tuple[StackedPlanes | None] | None = None  # found at the first pipelined step
+        # "schedule": "auto": the chooser picks each step's schedule by
+        # measured rate; _next_pipelined is its choice for the next step,
+        # _step_pipelined the running step's, _choice_timed the last step's
+        # (width, mix, pipelined, start) until its rate can be observed.
+        self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
+        self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
+        self._next_choice: tuple[int, int, bool] | None = None  # (width, mix, pipelined) of the next step
+        self._choice_step: tuple[int, int, bool, float] | None = None  # the running step's, with its start
+        self._choice_timed: tuple[int, int, bool, float] | None = None  # the last step's, with its seconds
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -168,15 +178,28 @@ class LoopSpecDrafter:
         batch = self.runner.input_batch
         rows = [decoding(row, req_id) for row, req_id in enumerate(batch.req_ids)]
         sampled = None
+        max_len = self.runner.model_config.max_model_len
+        self._next_pipelined, self._next_choice = self.options.schedule == "pipelined", None
         if self.controller is not None:
             decoding_rows = [row for row, d in enumerate(rows) if d]
             sampled = batch.temperature_cpu[decoding_rows] > 0
-            if self.controller.holds_plain(len(decoding_rows), sampling_mix(sampled)):
+            mix = sampling_mix(sampled)
+            if self.chooser is not None and decoding_rows:
+                choice = self.chooser.choose(len(decoding_rows), mix)
+                self._next_pipelined = choice.pipelined
+                self._next_choice = (len(decoding_rows), mix, choice.pipelined)
+                if choice.pipelined:
+                    # A pipelined step: every slot a request may have (its
+                    # first proposals are verified inside the step).
+                    return [self.num_drafts(row, req_id, max_len,
+                                            None if num_tokens is None else num_tokens(row, req_id))
+                            if rows[row] else None
+                            for row, req_id in enumerate(batch.req_ids)]
+            if self.controller.holds_plain(len(decoding_rows), mix):
                 # Under the width cap: a plain step, with no per-request
                 # limits and no policy work.
                 self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding_rows)
                 return [0 if d else None for d in rows]
-        max_len = self.runner.model_config.max_model_len
         limits: list[int | None] = [
             self.num_drafts(row, req_id, max_len, None if num_tokens is None else num_tokens(row, req_id))
             if rows[row] else None
@@ -194,9 +217,15 @@ class LoopSpecDrafter:
         self._last_num_drafts = None
 
     def _count_committed(self, committed: "_Committed | None") -> None:
-        if committed is None or committed.num_drafts is None:
+        if committed is None:
             return
         counts = committed.counts.tolist()
+        if self._choice_timed is not None:
+            # Async: the step timed when the next one started committed these.
+            self.chooser.observe(*self._choice_timed[:3], sum(counts), self._choice_timed[3])
+            self._choice_timed = None
+        if committed.num_drafts is None:
+            return
         for row, k in enumerate(committed.num_drafts):
             if k and row < len(counts):
                 self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0))
@@ -258,7 +287,10 @@ class LoopSpecDrafter:
         tokens = scheduler_output.total_num_scheduled_tokens
         self._step_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        if (self.controller is None or not tokens
+        self._step_pipelined = self._next_pipelined
+        if self.chooser is not None:
+            self._time_schedule_choice(now, scheduler_output)
+        if (self.controller is None or not tokens or self._step_pipelined
                 or (not self.controller.armed and not spec_tokens and self.controller.step % TIME_UNDER_CAP_EVERY)):
             # Under the width cap most plain steps go untimed: their cost is
             # known, and timing is a share of a narrow step's host work.
@@ -277,6 +309,25 @@ class LoopSpecDrafter:
             busy = not scheduler_output.scheduled_new_reqs  # else the engine may have idled
             self.controller.observe_gap(now - self._step_end if busy else None)
         self._step_start = now
+
+    def _time_schedule_choice(self, now: float, scheduler_output) -> None:
+        """``"auto"``: the last decode step's seconds, start to this start
+        (its rate is observed with its committed tokens: known now when
+        scheduling is synchronous, one step later under async), and the
+        running step's choice if it is the decode step it was chosen for."""
+        last, self._choice_step, self._choice_timed = self._choice_step, None, None
+        if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
+            width, mix, pipelined, start = last
+            if self.runner.use_async_scheduling:
+                self._choice_timed = (width, mix, pipelined, now - start)
+            elif self._step_committed is not None:
+                self.chooser.observe(width, mix, pipelined, self._step_committed, now - start)
+        choice, self._next_choice = self._next_choice, None
+        scheduled = scheduler_output.num_scheduled_tokens
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if (choice is not None and len(scheduled) == choice[0]
+                and all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduled.items())):
+            self._choice_step = (*choice, now)
 
     def step_finished(self) -> None:
         if self._step_shape is None:
@@ -315,7 +366,7 @@ class LoopSpecDrafter:
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
         """The model forward of a step with drafts: returns loop-``R`` exit
         states of every scheduled token, with the drafts handed to vLLM."""
-        if self.options.schedule == "pipelined":
+        if self._step_pipelined:
             return self.run_pipelined_step(self.layout(spec_metadata, common), input_ids, positions,
                                            spec_metadata, common)
         plan = self.plan(spec_metadata, common)
@@ -546,6 +597,7 @@ class LoopSpecDrafter:
         stats, counts = self.stats, output.counts
         num_drafts = layout.num_drafts[layout.spec_rows]
         stats.rounds += 1
+        stats.pipelined_steps += 1
         stats.speculating_rows += len(num_drafts)
         stats.drafted_tokens += int(num_drafts.sum())
         stats.count_positions(num_drafts, counts.first_accepted)

@@ -65,6 +65,8 @@ COUNTERS = (
                 "with fewer drafts, padding): computed, no KV written.", "vector", "loop"),
     CounterSpec("drafted_per_pos", "Rounds that drafted each position.", "vector", "position"),
     CounterSpec("accepted_per_pos", "Rounds whose draft at each position was accepted.", "vector", "position"),
+    CounterSpec("pipelined_steps", "Engine steps run with the pipelined schedule (every step with \"schedule\": "
+                "\"pipelined\"; those the measured rates chose with \"auto\")."),
     CounterSpec("pipelined_ticks", "Ticks of pipelined steps (every in-flight token advances draft_loops loops)."),
     CounterSpec("pipelined_restarts", "Pipelined successors replaced at verification (restarted at loop 0)."),
     CounterSpec("pipelined_pruned", "In-flight pipelined tokens discarded with a replaced ancestor."),
@@ -88,6 +90,7 @@ class LoopSpecStats:
     masked_rows_per_loop: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)  # index = draft position j-1
     accepted_per_pos: list[int] = field(default_factory=list)
+    pipelined_steps: int = 0
     pipelined_ticks: int = 0
     pipelined_restarts: int = 0
     pipelined_pruned: int = 0

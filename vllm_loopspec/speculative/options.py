@@ -25,7 +25,11 @@ DEFAULT_MAX_SPECULATIVE_TOKENS = 8
 CALIBRATION_FILE = "loopspec_calibration.json"
 ALLOWED_KEYS = {"method", "num_speculative_tokens", "max_speculative_tokens", "adaptive", "draft_loops",
                 "skip_logprobs_requests", "schedule", "second_proposal_loop"}
-SCHEDULES = ("round", "pipelined")
+SCHEDULES = ("round", "pipelined", "auto")
+# With "auto", pipelined steps run up to this many slots per request (the
+# pipeline's fill and drain are paid once per step; longer steps amortise
+# them), and rounds choose K up to it.
+DEFAULT_AUTO_MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SCHEDULE = "round"
 
 
@@ -55,11 +59,16 @@ class LoopSpecOptions:
     """``"round"``: draft K with loops ``[0, d)``, then verify them at once
     (:mod:`.round`). ``"pipelined"``: every token proposes its successor at
     depth ``d`` and is verified at depth R while later tokens are in flight
-    (:mod:`.pipeline`, RFC §7); K fixed (no adaptive policy)."""
+    (:mod:`.pipeline`, RFC §7); K fixed (no adaptive policy). ``"auto"``:
+    every step is the adaptive policy's (a round or a plain step) or a
+    pipelined step of ``max_speculative_tokens`` slots, whichever has
+    delivered more tokens per second at the batch's width and sampling mix
+    (:mod:`.schedule_choice`)."""
     second_proposal_loop: int | None = None
-    """Pipelined only: ``d2``, the depth at which a token refines its
+    """Pipelined steps only: ``d2``, the depth at which a token refines its
     successor's proposal (a multiple of ``draft_loops`` below R); unset:
-    no second proposals."""
+    no second proposals with ``"pipelined"``, ``2 * draft_loops`` (where
+    that is below R) with ``"auto"``."""
 
     @property
     def draft_slots(self) -> int:
@@ -145,15 +154,21 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
     if schedule not in SCHEDULES:
         raise LoopSpecConfigError(
             f"loopspec schedule must be one of {list(SCHEDULES)}, got {schedule!r}; "
-            '"round" drafts K then verifies them at once, "pipelined" overlaps drafting and verification.')
+            '"round" drafts K then verifies them at once, "pipelined" overlaps drafting and verification, '
+            '"auto" picks one of the two per step by measured throughput.')
     # The adaptive policy prices rounds; a pipelined step runs a fixed K.
-    adaptive = raw.get("adaptive", schedule == "round")
+    adaptive = raw.get("adaptive", schedule != "pipelined")
     if not isinstance(adaptive, bool):
         raise LoopSpecConfigError(f"loopspec adaptive must be true or false, got {adaptive!r}.")
     if adaptive and schedule == "pipelined":
         raise LoopSpecConfigError(
             'loopspec "schedule": "pipelined" runs a fixed K per step and the adaptive policy prices only '
-            'rounds; drop "adaptive" (or set it to false) with "pipelined", or use "schedule": "round".')
+            'rounds; drop "adaptive" (or set it to false) with "pipelined", or use "schedule": "auto" (the '
+            'adaptive policy\'s steps and pipelined steps, chosen per step by measured throughput).')
+    if not adaptive and schedule == "auto":
+        raise LoopSpecConfigError(
+            'loopspec "schedule": "auto" chooses between the adaptive policy\'s steps and pipelined steps by '
+            'measurement; drop "adaptive": false, or pin a schedule ("round" or "pipelined") with a fixed K.')
     k = raw.get("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
     if not _positive_int(k) or k < 1:
         raise LoopSpecConfigError(
@@ -165,7 +180,8 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             f"loopspec num_speculative_tokens={k} exceeds vLLM's rejection sampler "
             f"limit of {MAX_SPECULATIVE_TOKENS}; use a smaller K."
         )
-    k_max = raw.get("max_speculative_tokens", max(k, DEFAULT_MAX_SPECULATIVE_TOKENS))
+    default_max = DEFAULT_AUTO_MAX_SPECULATIVE_TOKENS if schedule == "auto" else DEFAULT_MAX_SPECULATIVE_TOKENS
+    k_max = raw.get("max_speculative_tokens", max(k, default_max))
     if not _positive_int(k_max) or not k <= k_max <= MAX_SPECULATIVE_TOKENS:
         raise LoopSpecConfigError(
             f"loopspec max_speculative_tokens must be an integer with num_speculative_tokens ({k}) <= "
@@ -198,11 +214,13 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "--hf-overrides '{\"early_exit_threshold\": 1.0}'."
         )
     d2 = raw.get("second_proposal_loop")
+    if d2 is None and schedule == "auto" and 2 * d < loops:
+        d2 = 2 * d
     if d2 is not None:
-        if schedule != "pipelined":
+        if schedule == "round":
             raise LoopSpecConfigError(
                 'loopspec second_proposal_loop refines drafts of the pipelined schedule; add "schedule": '
-                '"pipelined" or drop second_proposal_loop.')
+                '"pipelined" (or "auto") or drop second_proposal_loop.')
         if not _positive_int(d2) or not d < d2 < loops or d2 % d:
             raise LoopSpecConfigError(
                 f"loopspec second_proposal_loop must be a multiple of draft_loops ({d}) with draft_loops < "
