@@ -242,11 +242,9 @@ def policy_snapshot(llm) -> dict:
                    for mode, c in getattr(controller, "_calibration", {}).items()}
     chooser = model_runner(llm).drafter.chooser
     schedule = None if chooser is None else {
-        "decisions (pipelined?, reason)": {f"{'pipelined' if p else 'policy'} {why}": n
-                                           for (p, why), n in sorted(chooser.decisions.items())},
+        "decisions (arm, reason)": {f"{arm} {why}": n for (arm, why), n in sorted(chooser.decisions.items())},
         "rates (tok/s, samples) by width bucket and mix": {
-            f"width bucket {bucket} mix {mix}": {("pipelined" if arm else "policy"): [round(r.rate, 1), r.samples]
-                                                  for arm, r in key.arms.items()}
+            f"width bucket {bucket} mix {mix}": {arm: [round(r.rate, 1), r.samples] for arm, r in key.arms.items()}
             for (bucket, mix), key in sorted(chooser._keys.items())}}
     return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec, "context": costs.context},
             "schedule_choice": schedule,

@@ -447,24 +447,45 @@ def pd_section(serving: dict | None, transfer: dict | None, descriptors: dict | 
 
 # -- page ---------------------------------------------------------------------
 
+def adaptive_suffix(rec: dict) -> str:
+    """The adaptive arms' name ending: ``" auto"`` (the ``"auto"`` schedule)
+    where the sweep ran it, else ``" adaptive"`` (the policy's rounds)."""
+    return " auto" if any(n.endswith(" auto") for n in rec.get("arms", {})) else " adaptive"
+
+
+def is_fixed_arm(name: str, d: int | None = None) -> bool:
+    """A fixed round (``loopspec dD KK``) or fixed pipelined arm, at ``d`` if given."""
+    prefix = "" if d is None else f"d{d} "
+    return (name.startswith(f"loopspec {prefix}") and " K" in name) or name.startswith(f"pipelined {prefix}")
+
+
 def adaptive_section(rec: dict) -> list[str]:
-    """Adaptive policy against native and every fixed (d, K) of each cell."""
+    """Adaptive policy against native and every fixed (d, K) of each cell
+    (rounds, and pipelined arms where the sweep ran them)."""
+    suffix = adaptive_suffix(rec)
+    label = "auto" if suffix == " auto" else "adaptive"
+    round_policy = suffix == " auto" and any(n.endswith(" adaptive") for n in rec.get("arms", {}))
+    steps = ("schedule auto: the policy's rounds and plain steps, or pipelined steps, chosen per step"
+             if label == "auto" else "its rounds and plain steps")
     lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
              f"engines: {rec['engine']}; OMP_WAIT_POLICY {rec.get('omp_wait_policy', 'not recorded')}; "
              f"load average when written {fmt(rec['machine_load'][1], 1)}). "
              "Per cell (setting, temperature, concurrency): median committed tok/s of native, of the "
-             "adaptive policy at each d, and of the best fixed (d, K); `vs native` and `vs best fixed` are "
+             f"adaptive policy at each d ({steps}), "
+             "and of the best fixed (d, K) (rounds, and pipelined arms where run); `vs native` and `vs best fixed` are "
              "ratios of medians. `paired` columns: the median over repeats of the same ratio within each "
              "repeat (every arm of a repeat decodes the same prompts, so prompt difficulty, which changes "
              "between repeats, cancels).", "",
-             "| cell | c | native tok/s | adaptive d1 | d2 | d3 | best adaptive vs native (paired) "
-             "| best fixed (d, K) | best adaptive vs best fixed (paired) |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| cell | c | native tok/s | {label} d1 | d2 | d3 | best {label} vs native (paired) "
+             f"| best fixed (d, K) | best {label} vs best fixed (paired) |"
+             + (" round policy (best d) vs native |" if round_policy else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if round_policy else "")]
     ok_native = ok_best = cells = paired_native = paired_best = 0
     for cell, by_c in rec["results"].items():
         for c, row in by_c.items():
             native = row["native"]["median_tokens_per_s"]
-            adaptive = {n: r for n, r in row.items() if n.endswith("adaptive")}
-            fixed = {n: r for n, r in row.items() if n.startswith("loopspec") and n not in adaptive}
+            adaptive = {n: r for n, r in row.items() if n.endswith(suffix)}
+            fixed = {n: r for n, r in row.items() if is_fixed_arm(n)}
             if not adaptive or not fixed:
                 continue
             best_fixed = max(fixed, key=lambda n: fixed[n]["median_tokens_per_s"])
@@ -480,12 +501,16 @@ def adaptive_section(rec: dict) -> list[str]:
             paired_native += vs_native is not None and vs_native >= 0.97
             paired_best += vs_fixed is not None and vs_fixed >= 0.95
             per_d = [fmt(adaptive[n]["median_tokens_per_s"], 0) if n in adaptive else "–"
-                     for n in (f"loopspec d{d} adaptive" for d in (1, 2, 3))]
+                     for n in (f"loopspec d{d}{suffix}" for d in (1, 2, 3))]
+            extra = ""
+            if round_policy:
+                rounds = [r["median_tokens_per_s"] for n, r in row.items() if n.endswith(" adaptive")]
+                extra = f" {fmt(max(rounds) / native)}× |" if rounds else " – |"
             lines.append(f"| {cell} | {c} | {fmt(native, 0)} | {' | '.join(per_d)} | **{fmt(a / native)}×** "
                          f"({fmt(vs_native)}×) | {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} "
-                         f"| {fmt(a / f)}× ({fmt(vs_fixed)}×) |")
+                         f"| {fmt(a / f)}× ({fmt(vs_fixed)}×) |" + extra)
     per_d = per_depth_counts(rec)
-    lines += ["", f"At its best d: adaptive ≥ 0.97× native in {ok_native} of {cells} cells; within 5% of the "
+    lines += ["", f"At its best d: {label} ≥ 0.97× native in {ok_native} of {cells} cells; within 5% of the "
               f"best fixed (d, K) in {ok_best} of {cells} cells. At each d (cell × d, against the fixed K of "
               f"the same d): ≥ 0.97× native in {per_d['native']} of {per_d['cells']}; within 5% of the best "
               f"fixed K in {per_d['best']} of {per_d['cells']}. Paired within repeats: ≥ 0.97× native in "
@@ -502,6 +527,12 @@ def adaptive_section(rec: dict) -> list[str]:
                          + (f", per 1000 context tokens {[round(x * 1e6, 3) for x in context]} ms (plain, round)"
                             if context else "")
                          + f"; {pol['decisions_in_last_4096_steps']}")
+            choice = pol.get("schedule_choice")
+            if choice:
+                lines.append(f"  - schedule choice (steps by arm and reason): {choice['decisions (arm, reason)']}; "
+                             "measured tok/s (steps) by width bucket and mix: "
+                             + "; ".join(f"{key}: " + ", ".join(f"{arm} {v[0]} ({v[1]})" for arm, v in arms.items())
+                                         for key, arms in choice["rates (tok/s, samples) by width bucket and mix"].items()))
             factors = pol.get("time_factors (measured/predicted, samples)")
             if factors:
                 lines.append("  - measured/predicted step time (samples) by width bucket and sampling mix "
@@ -530,13 +561,13 @@ def per_depth_counts(rec: dict) -> dict:
     """Cells × d where adaptive at d is >= 0.97x native, and within 5% of
     the best fixed K at the same d."""
     counts = {"cells": 0, "native": 0, "best": 0}
+    suffix = adaptive_suffix(rec)
     for by_c in rec["results"].values():
         for row in by_c.values():
             native = row["native"]["median_tokens_per_s"]
             for d in (1, 2, 3):
-                a = row.get(f"loopspec d{d} adaptive")
-                fixed = [r["median_tokens_per_s"] for n, r in row.items()
-                         if n.startswith(f"loopspec d{d} K")]
+                a = row.get(f"loopspec d{d}{suffix}")
+                fixed = [r["median_tokens_per_s"] for n, r in row.items() if is_fixed_arm(n, d)]
                 if a is None or not fixed:
                     continue
                 counts["cells"] += 1

@@ -152,6 +152,6 @@ def test_auto_schedule_switches_between_schedules_and_stays_exact(loopspec_llms,
     stats = drafter.stats
     assert stats.pipelined_steps > 0 and stats.rounds > stats.pipelined_steps, (stats.pipelined_steps, stats.rounds)
     assert stats.pipelined_second_proposals > 0  # the default second proposal at 2 d
-    chosen = {pipelined for pipelined, _ in drafter.chooser.decisions}
-    assert chosen == {False, True}, drafter.chooser.decisions
+    chosen = {arm for arm, _ in drafter.chooser.decisions}
+    assert {"policy", "pipelined"} <= chosen, drafter.chooser.decisions
     assert drafter.chooser.rates(8, 0) and drafter.chooser.rates(1, 0)

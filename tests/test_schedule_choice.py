@@ -1,64 +1,92 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
-from vllm_loopspec.speculative.schedule_choice import MIN_SAMPLES, RETRY_BACKOFF, ScheduleChooser
+from vllm_loopspec.speculative.schedule_choice import (ARMS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
+                                                      RETRY_TIME_SHARE, ScheduleChooser)
+
+MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
 
 
-def _run(chooser, width, mix, rates, steps, tokens=10):
+def _run(chooser, width, mix, rates, steps, seconds=None):
     """``steps`` decisions at one key, each observed at its arm's rate
-    (tokens per second, by pipelined?); the choices made."""
+    (tokens per second; ``seconds`` per step, default 10 ms); the choices."""
     made = []
     for _ in range(steps):
         choice = chooser.choose(width, mix)
         made.append(choice)
-        chooser.observe(width, mix, choice.pipelined, tokens, tokens / rates[choice.pipelined])
+        step = (seconds or {}).get(choice.arm, 0.01)
+        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step, drafted=choice.arm != PLAIN)
     return made
 
 
-def test_measures_both_arms_then_takes_the_faster():
+def test_measures_every_arm_then_takes_the_fastest():
     chooser = ScheduleChooser()
-    made = _run(chooser, 1, GREEDY, {True: 500.0, False: 300.0}, 2 * MIN_SAMPLES)
+    rates = {PLAIN: 300.0, POLICY: 400.0, PIPELINED: 500.0}
+    made = _run(chooser, 1, GREEDY, rates, MEASURE)
     assert all(c.reason == "measure" for c in made)
-    assert sum(c.pipelined for c in made) == MIN_SAMPLES
-    later = _run(chooser, 1, GREEDY, {True: 500.0, False: 300.0}, 8)
-    assert all(c.pipelined and c.reason == "faster" for c in later)
-    rates = chooser.rates(1, GREEDY)
-    assert abs(rates[True][0] - 500.0) < 1e-6 and abs(rates[False][0] - 300.0) < 1e-6
+    assert made[0].arm == POLICY  # its warm-up comes first
+    assert {arm: sum(c.arm == arm for c in made) for arm in ARMS} == {arm: MIN_SAMPLES for arm in ARMS}
+    later = _run(chooser, 1, GREEDY, rates, 6)
+    assert all(c.arm == PIPELINED and c.reason == "faster" for c in later)
+    assert abs(chooser.rates(1, GREEDY)[PIPELINED][0] - 500.0) < 1e-6
 
 
-def test_the_pipeline_must_beat_the_policy_by_the_margin():
+def test_speculation_must_beat_plain_steps_by_the_margin():
     chooser = ScheduleChooser()
-    _run(chooser, 8, SAMPLED, {True: 1010.0, False: 1000.0}, 2 * MIN_SAMPLES)
-    later = _run(chooser, 8, SAMPLED, {True: 1010.0, False: 1000.0}, 8)
-    assert not any(c.pipelined for c in later)
+    rates = {PLAIN: 1000.0, POLICY: 1010.0, PIPELINED: 1020.0}
+    _run(chooser, 8, SAMPLED, rates, MEASURE)
+    assert all(c.arm == PLAIN for c in _run(chooser, 8, SAMPLED, rates, 6))
+
+
+def test_policy_steps_without_drafts_are_plain_steps():
+    chooser = ScheduleChooser()
+    chooser.observe(4, GREEDY, POLICY, 4, 0.004, drafted=False)
+    chooser.observe(4, GREEDY, POLICY, 12, 0.006, drafted=True)
+    rates = chooser.rates(4, GREEDY)
+    assert rates[PLAIN] == (1000.0, 1) and rates[POLICY][1] == 2
 
 
 def test_widths_and_mixes_are_measured_apart():
     chooser = ScheduleChooser()
-    _run(chooser, 1, GREEDY, {True: 500.0, False: 300.0}, 2 * MIN_SAMPLES)
-    _run(chooser, 16, SAMPLED, {True: 800.0, False: 1000.0}, 2 * MIN_SAMPLES)
-    assert all(c.pipelined for c in _run(chooser, 1, GREEDY, {True: 500.0, False: 300.0}, 4))
-    assert not any(c.pipelined for c in _run(chooser, 16, SAMPLED, {True: 800.0, False: 1000.0}, 4))
+    wins_pipelined = {PLAIN: 300.0, POLICY: 400.0, PIPELINED: 500.0}
+    wins_plain = {PLAIN: 1000.0, POLICY: 900.0, PIPELINED: 800.0}
+    _run(chooser, 1, GREEDY, wins_pipelined, MEASURE)
+    _run(chooser, 16, SAMPLED, wins_plain, MEASURE)
+    assert all(c.arm == PIPELINED for c in _run(chooser, 1, GREEDY, wins_pipelined, 4))
+    assert all(c.arm == PLAIN for c in _run(chooser, 16, SAMPLED, wins_plain, 4))
     # A width of a new bucket starts with its neighbour's winner.
     first = chooser.choose(2, GREEDY)
-    assert first.pipelined and first.reason == "measure"
+    assert first.arm == PIPELINED and first.reason == "measure"
 
 
-def test_the_loser_is_retried_less_and_less_often_and_can_win_back():
+def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     chooser = ScheduleChooser()
-    rates = {True: 300.0, False: 500.0}
-    made = _run(chooser, 4, GREEDY, rates, 2 * MIN_SAMPLES + 200)
+    rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 400.0}
+    made = _run(chooser, 4, GREEDY, rates, MEASURE + 300)
     retries = [i for i, c in enumerate(made) if c.reason == "retry"]
-    assert retries and all(made[i].pipelined for i in retries)
+    assert {made[i].arm for i in retries} == {PLAIN, PIPELINED}
     gaps = [b - a for a, b in zip(retries, retries[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > RETRY_BACKOFF[0]
-    # The machine changes: the pipeline becomes the faster arm; retries find it.
-    rates = {True: 900.0, False: 500.0}
-    made = _run(chooser, 4, GREEDY, rates, 600)
-    assert made[-1].pipelined and made[-1].reason == "faster"
+    # The workload changes: the pipeline becomes the faster arm; tries find it.
+    rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 900.0}
+    made = _run(chooser, 4, GREEDY, rates, 800)
+    assert made[-1].arm == PIPELINED and made[-1].reason == "faster"
+
+
+def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
+    """A pipelined step of a wide sampled batch costs many plain steps: its
+    tries, once it loses, take at most RETRY_TIME_SHARE of the time."""
+    chooser = ScheduleChooser()
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120}
+    rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
+    made = _run(chooser, 8, SAMPLED, rates, 3000, seconds)[MEASURE:]
+    assert made[-1].arm == PLAIN
+    spent = sum(seconds[c.arm] for c in made)
+    tried = sum(seconds[c.arm] for c in made if c.arm == PIPELINED)
+    assert 0 < tried <= 1.1 * RETRY_TIME_SHARE * spent
 
 
 def test_no_rate_without_time():
     chooser = ScheduleChooser()
-    chooser.observe(1, GREEDY, True, 5, 0.0)
+    chooser.observe(1, GREEDY, PIPELINED, 5, 0.0)
     assert chooser.rates(1, GREEDY) == {}

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_loopspec.speculative.adaptive import SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
+from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
                                                  SampledDecider, run_pipelined)
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
-from vllm_loopspec.speculative.schedule_choice import ScheduleChooser
+from vllm_loopspec.speculative.schedule_choice import PIPELINED, PLAIN, POLICY, ScheduleChooser
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
 TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
@@ -96,9 +96,11 @@ class LoopSpecDrafter:
         # (width, mix, pipelined, start) until its rate can be observed.
         self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
-        self._next_choice: tuple[int, int, bool] | None = None  # (width, mix, pipelined) of the next step
-        self._choice_step: tuple[int, int, bool, float] | None = None  # the running step's, with its start
-        self._choice_timed: tuple[int, int, bool, float] | None = None  # the last step's, with its seconds
+        self._next_choice: tuple[int, int, str] | None = None  # (width, mix, arm) of the next step
+        # (width, mix, arm, drafted, start) of the running step; then (..., seconds) of the last one.
+        self._choice_step: tuple[int, int, str, bool, float] | None = None
+        self._choice_timed: tuple[int, int, str, bool, float] | None = None
+        self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -186,9 +188,13 @@ class LoopSpecDrafter:
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
                 choice = self.chooser.choose(len(decoding_rows), mix)
-                self._next_pipelined = choice.pipelined
-                self._next_choice = (len(decoding_rows), mix, choice.pipelined)
-                if choice.pipelined:
+                self._next_pipelined = choice.arm == PIPELINED
+                self._next_choice = (len(decoding_rows), mix, choice.arm)
+                if choice.arm == PLAIN:
+                    # Plain steps have delivered more here than speculation.
+                    self.stats.skipped[SKIP_MEASURED] += len(decoding_rows)
+                    return [0 if d else None for d in rows]
+                if choice.arm == PIPELINED:
                     # A pipelined step: every slot a request may have (its
                     # first proposals are verified inside the step).
                     return [self.num_drafts(row, req_id, max_len,
@@ -222,7 +228,8 @@ class LoopSpecDrafter:
         counts = committed.counts.tolist()
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
-            self.chooser.observe(*self._choice_timed[:3], sum(counts), self._choice_timed[3])
+            width, mix, arm, drafted, seconds = self._choice_timed
+            self.chooser.observe(width, mix, arm, sum(counts), seconds, drafted)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -317,17 +324,25 @@ class LoopSpecDrafter:
         running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
         if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
-            width, mix, pipelined, start = last
+            width, mix, arm, drafted, start = last
             if self.runner.use_async_scheduling:
-                self._choice_timed = (width, mix, pipelined, now - start)
+                self._choice_timed = (width, mix, arm, drafted, now - start)
             elif self._step_committed is not None:
-                self.chooser.observe(width, mix, pipelined, self._step_committed, now - start)
+                self.chooser.observe(width, mix, arm, self._step_committed, now - start, drafted)
         choice, self._next_choice = self._next_choice, None
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if (choice is not None and len(scheduled) == choice[0]
-                and all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduled.items())):
-            self._choice_step = (*choice, now)
+        if (choice is None or len(scheduled) != choice[0]
+                or any(n != 1 + len(spec.get(req_id, ())) for req_id, n in scheduled.items())):
+            return
+        # Only steps that represent their arm: not the first of a shape (a
+        # new shape pays one-off work), not the policy's warm-up (it cycles
+        # K, the largest included, to fit its cost model).
+        shape = (choice[2], max((len(t) for t in spec.values()), default=0), scheduler_output.total_num_scheduled_tokens)
+        first, warming_up = shape not in self._choice_shapes, choice[2] == POLICY and self.controller.costs is None
+        self._choice_shapes.add(shape)
+        if not first and not warming_up:
+            self._choice_step = (*choice, bool(spec), now)
 
     def step_finished(self) -> None:
         if self._step_shape is None:

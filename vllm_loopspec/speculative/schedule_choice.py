@@ -1,141 +1,182 @@
-"""``"schedule": "auto"``: each step is either the adaptive policy's (a
-round of its ``K_i``, or a plain step) or a pipelined step, whichever has
-delivered more committed tokens per second at this batch width and
-sampling mix.
+"""``"schedule": "auto"``: each decode step is one of three arms, whichever
+has delivered the most committed tokens per second at this batch width and
+sampling mix:
 
-Why measured and not priced: the policy's cost model
-(:mod:`.policy`) prices rounds from a fit of round steps; a pipelined
-step's cost depends on its restarts (how often a first proposal is
-replaced at verification), which depends on the requests in flight, and
-its rows commit every slot. Both arms deliver committed tokens, so their
-rates compare directly (unlike draft counts inside the round policy, where
-a K's rate depends on when the policy chose it); every step of either arm
-is timed from its start to the next step's start (scheduler and output
-handling included).
+* ``plain``: every request decodes one token (vLLM's own step);
+* ``policy``: the adaptive policy's step (:mod:`.adaptive`: a round of its
+  ``K_i``, or a plain step where it prices rounds as losing);
+* ``pipelined``: a pipelined step of every slot a request may have
+  (:mod:`.pipeline`).
 
-Per (width bucket, sampling mix) the chooser keeps, for each arm, an
-exponentially weighted rate (committed tokens over seconds, both summed).
-A key with fewer than :data:`MIN_SAMPLES` steps of either arm measures
-that arm first, a width bucket with none of its own starting from an
-adjacent bucket's verdict; afterwards it takes the faster arm (the
-pipeline must beat the policy by :data:`PIPELINE_MARGIN`) and tries the
-other one step in an interval that doubles while the other keeps losing
-(:data:`RETRY_BACKOFF`), its rare steps weighing more (:data:`RETRY_WEIGHT`).
+Why measured and not priced: the policy prices rounds from a fit of round
+steps, and its choices are only as good as that fit where the batch runs; a
+pipelined step's cost depends on its restarts (how often a first proposal is
+replaced at verification), which depends on the requests in flight. Every
+arm delivers committed tokens, so the rates compare directly; each step is
+timed from its start to the next step's start (scheduler and output
+handling included). The plain arm makes "never slower than native" a
+measured floor: where the policy's rounds lose to plain steps, the steps are
+plain.
+
+Per (width bucket, sampling mix) the chooser keeps, for each arm, the median
+rate (committed tokens over seconds) of its last :data:`RATE_WINDOW` steps:
+a median, because a step that met a new shape (kernel selection,
+compilation) costs many ordinary ones. The engine feeds only steps that
+represent their arm (not the first of a shape, not the policy's warm-up,
+which cycles K to fit its cost model); a policy step that drafted nothing
+is a plain step and counts for the plain arm too.
+
+A key measures each arm :data:`MIN_SAMPLES` times first (fewest samples
+first, a width bucket new to the chooser starting with its neighbour's
+winner); afterwards it takes the arm with the best rate, a speculative arm
+having to beat the plain one by :data:`SPECULATION_MARGIN` (vLLM's plain
+step is the safer choice within the rates' noise), and tries each other arm
+in turn one step in an interval that doubles while it keeps losing
+(:data:`RETRY_BACKOFF`), and not before the winner has run long enough for
+the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
 
 A pure object, tested without an engine (``tests/test_schedule_choice.py``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from vllm_loopspec.speculative.adaptive import width_bucket
 
+PLAIN, POLICY, PIPELINED = "plain", "policy", "pipelined"
+ARMS = (PLAIN, POLICY, PIPELINED)
+
 MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
-RATE_WEIGHT = 0.15  # weight of a new step in the exponentially weighted sums
-# The pipelined step must beat the policy's step by this share: the plain
-# step the policy falls back to is vLLM's own, and within the rates' noise
-# the safer choice.
-PIPELINE_MARGIN = 0.03
-RETRY_BACKOFF = (16, 512)  # steps at a key between tries of the losing arm: first, longest
-# Weight of a losing arm's new step: its steps are rare, and a machine or a
-# workload that changed must show within a few tries.
-RETRY_WEIGHT = 0.5
+RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
+# A speculative arm must beat the plain one by this share.
+SPECULATION_MARGIN = 0.03
+# Steps at a key between tries of a losing arm, first and longest: a
+# workload that changed shows within a few tries.
+RETRY_BACKOFF = (8, 64)
+# And a losing arm's tries take at most this share of the time: a pipelined
+# step of a wide sampled batch costs as many as twenty plain steps.
+RETRY_TIME_SHARE = 0.03
 
 
 @dataclass
 class _ArmRate:
-    tokens: float = 0.0
-    seconds: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s, seconds) per step
     samples: int = 0
 
-    def update(self, tokens: int, seconds: float, weight: float = RATE_WEIGHT) -> None:
-        w = max(weight, 1.0 / (self.samples + 1))  # a running mean over the first samples
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
+    def update(self, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens / seconds, seconds))
         self.samples += 1
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return float(np.median([r for r, _ in self.recent])) if self.recent else 0.0
+
+    @property
+    def step_seconds(self) -> float:
+        return float(np.median([s for _, s in self.recent])) if self.recent else 0.0
 
 
 @dataclass
 class _Key:
-    arms: dict[bool, _ArmRate] = field(default_factory=lambda: {False: _ArmRate(), True: _ArmRate()})
+    arms: dict[str, _ArmRate] = field(default_factory=lambda: {arm: _ArmRate() for arm in ARMS})
     steps: int = 0
     retry_interval: int = RETRY_BACKOFF[0]
     next_retry: int | None = None  # set when the rates first decide
-    last_winner: bool | None = None
+    since_retry: int = 0  # steps of the winning arm since a loser's last try
+    retries: int = 0  # tries so far (they rotate over the losing arms)
+    last_winner: str | None = None
 
 
 @dataclass
 class ScheduleChoice:
-    """Whether the next step of a batch pipelines, and why."""
+    """The arm of the next step of a batch, and why."""
 
-    pipelined: bool
+    arm: str  # PLAIN | POLICY | PIPELINED
     reason: str  # "measure" | "faster" | "retry"
+
+    @property
+    def pipelined(self) -> bool:
+        return self.arm == PIPELINED
 
 
 class ScheduleChooser:
     def __init__(self) -> None:
         self._keys: dict[tuple[int, int], _Key] = {}
-        self.decisions: dict[tuple[bool, str], int] = {}  # (pipelined, reason) -> steps
+        self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
 
     def choose(self, width: int, mix: int) -> ScheduleChoice:
-        """The schedule of the next step of ``width`` decoding requests of
+        """The arm of the next step of ``width`` decoding requests of
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`)."""
-        key = self._key(width, mix)
+        where = (width_bucket(width), mix)
+        key = self._keys.setdefault(where, _Key())
         key.steps += 1
-        choice = self._choose(key, (width_bucket(width), mix))
-        self.decisions[(choice.pipelined, choice.reason)] = self.decisions.get((choice.pipelined, choice.reason), 0) + 1
+        choice = self._choose(key, where)
+        self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
         return choice
 
     def _choose(self, key: _Key, where: tuple[int, int]) -> ScheduleChoice:
-        pipe, policy = key.arms[True], key.arms[False]
-        if pipe.samples < MIN_SAMPLES or policy.samples < MIN_SAMPLES:
+        unmeasured = [arm for arm in ARMS if key.arms[arm].samples < MIN_SAMPLES]
+        if unmeasured:
             neighbour = self._neighbour_winner(where)
-            if neighbour is not None and min(pipe.samples, policy.samples) == 0 and (
-                    key.arms[neighbour].samples < MIN_SAMPLES):
+            if neighbour in unmeasured and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
-            return ScheduleChoice(pipe.samples < policy.samples, "measure")
-        winner = pipe.rate > (1.0 + PIPELINE_MARGIN) * policy.rate
+            # The policy first: its warm-up (before its cost model exists)
+            # feeds no samples, and must run before its steps can count.
+            fewest = min(unmeasured, key=lambda arm: (key.arms[arm].samples, arm != POLICY))
+            return ScheduleChoice(fewest, "measure")
+        winner = _winner(key)
         if key.last_winner is not None and winner != key.last_winner:
-            key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the loser is close, try it soon
+            key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
         key.last_winner = winner
         if key.next_retry is None:
             key.next_retry = key.steps + key.retry_interval
-        if key.steps >= key.next_retry:
+        losers = [arm for arm in ARMS if arm != winner]
+        loser = losers[key.retries % len(losers)]
+        won, lost = key.arms[winner], key.arms[loser]
+        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= lost.step_seconds / RETRY_TIME_SHARE:
             key.next_retry = key.steps + key.retry_interval
             key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
-            return ScheduleChoice(not winner, "retry")
+            key.since_retry = 0
+            key.retries += 1
+            return ScheduleChoice(loser, "retry")
+        key.since_retry += 1
         return ScheduleChoice(winner, "faster")
 
-    def observe(self, width: int, mix: int, pipelined: bool, committed: int, seconds: float) -> None:
-        """A decode step of ``width`` requests: its schedule, the tokens it
-        committed and the seconds from its start to the next step's start."""
+    def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, drafted: bool = True) -> None:
+        """A decode step of ``width`` requests: its arm, the tokens it
+        committed, the seconds from its start to the next step's start, and
+        (a policy step) whether it drafted at all: one that did not is a
+        plain step."""
         if seconds <= 0:
             return
-        key = self._key(width, mix)
-        losing = key.last_winner is not None and pipelined != key.last_winner
-        key.arms[pipelined].update(committed, seconds, RETRY_WEIGHT if losing else RATE_WEIGHT)
+        key = self._keys.setdefault((width_bucket(width), mix), _Key())
+        key.arms[arm].update(committed, seconds)
+        if arm == POLICY and not drafted:
+            key.arms[PLAIN].update(committed, seconds)
 
-    def rates(self, width: int, mix: int) -> dict[bool, tuple[float, int]]:
-        """Per arm (True: pipelined): measured tokens per second and samples."""
+    def rates(self, width: int, mix: int) -> dict[str, tuple[float, int]]:
+        """Per arm: measured tokens per second and samples."""
         key = self._keys.get((width_bucket(width), mix))
         if key is None:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
 
-    def _key(self, width: int, mix: int) -> _Key:
-        return self._keys.setdefault((width_bucket(width), mix), _Key())
-
-    def _neighbour_winner(self, where: tuple[int, int]) -> bool | None:
-        """The faster arm at an adjacent width bucket of the same mix, where
-        both were measured."""
+    def _neighbour_winner(self, where: tuple[int, int]) -> str | None:
+        """The winning arm at an adjacent width bucket of the same mix,
+        where every arm was measured."""
         bucket, mix = where
         for other in (bucket - 1, bucket + 1):
             key = self._keys.get((other, mix))
             if key and all(a.samples >= MIN_SAMPLES for a in key.arms.values()):
-                return key.arms[True].rate > (1.0 + PIPELINE_MARGIN) * key.arms[False].rate
+                return _winner(key)
         return None
+
+
+def _winner(key: _Key) -> str:
+    """The arm with the best rate; a speculative one must beat plain by the margin."""
+    scores = {arm: r.rate * (1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN) for arm, r in key.arms.items()}
+    return max(ARMS, key=lambda arm: scores[arm])
