@@ -723,6 +723,41 @@ def plot_pipelined(rec: dict) -> str:
     return name
 
 
+def plot_auto(rec: dict) -> str:
+    """Per cell and concurrency: the best "auto" arm, the best fixed round and
+    the best fixed pipelined arm, as speedup over native (paired medians)."""
+    cells = list(rec["results"])
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3.6), sharey=True, squeeze=False)
+    suffix = adaptive_suffix(rec)
+    kinds = [("auto (best d)", lambda n: n.endswith(suffix)),
+             ("fixed round (best d, K)", lambda n: n.startswith("loopspec") and " K" in n),
+             ("fixed pipelined (best)", lambda n: n.startswith("pipelined"))]
+    for ax, cell in zip(axes[0], cells):
+        by_c = rec["results"][cell]
+        concs = list(by_c)
+        width = 0.8 / len(kinds)
+        for i, (label, chosen) in enumerate(kinds):
+            values = []
+            for c in concs:
+                row = by_c[c]
+                native = row["native"]["median_tokens_per_s"]
+                arms = [r["median_tokens_per_s"] for n, r in row.items() if chosen(n)]
+                values.append(max(arms) / native if arms else 0.0)
+            ax.bar(np.arange(len(concs)) + i * width, values, width, label=label,
+                   hatch="//" if i == 0 else None)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(0.97, color="red", lw=0.6, ls=":")
+        ax.set_xticks(np.arange(len(concs)) + 0.4 - width / 2, [f"c={c}" for c in concs])
+        ax.set_title(cell, fontsize=9)
+    axes[0][0].set_ylabel("speedup over native (median tok/s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    name = "adaptive_auto.png"
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def pipeline_ceiling_section(rec: dict) -> list[str]:
     """The pipelined schedule priced with measured costs (benchmarks/pipeline_ceiling.py)."""
     inp = rec["inputs"]
@@ -873,7 +908,13 @@ def main() -> None:
     lines += ["## vLLM's default (compiled) mode on CPU", ""]
     lines += compile_mode_section(compiled) if compiled else ["(no compile-mode run recorded)", ""]
     adaptive, burst = load("adaptive_sweep.json"), load("adaptive_burst.json")
+    auto = load("adaptive_sweep_auto.json")
     lines += ["## Adaptive policy (issue 13)", ""]
+    if auto:
+        lines += ['### `"schedule": "auto"`: a plain, policy or pipelined step, by measured rate', ""]
+        lines += adaptive_section(auto) + [f"![auto against native and the best fixed arms](results/plots/"
+                                           f"{plot_auto(auto)})", ""]
+        lines += ["### The round policy alone (`\"schedule\": \"round\"`)", ""]
     lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
     if burst:
         lines += ["### A burst under a lone greedy request", ""] + burst_section(burst)
@@ -919,7 +960,7 @@ def main() -> None:
               "make bench-all                                 # every benchmark below, then this page",
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
-    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, adaptive, burst,
+    for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, auto, adaptive, burst,
                 async_rec, pipelined, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))

@@ -93,11 +93,14 @@ def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer, s
     assert len(expected_ids) < 30
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", SCHEDULES + ["auto"])
 def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm, tokenizer, schedule):
     """Prefill chunks share steps with speculating requests (pipelined: the
-    same ticks)."""
-    llm = loopspec_llms(K, schedule=schedule)
+    same ticks; "auto": whichever schedule each step takes)."""
+    if schedule == "auto":
+        llm = loopspec_llms(K, 1, adaptive=True, schedule="auto")
+    else:
+        llm = loopspec_llms(K, schedule=schedule)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     arrivals = {0: [SHORT[0], SHORT[1]], 2: [long_prompt(300, tokenizer)], 5: [MEDIUM[0], SHORT[4]]}
     expected = {}

@@ -90,3 +90,14 @@ def test_no_rate_without_time():
     chooser = ScheduleChooser()
     chooser.observe(1, GREEDY, PIPELINED, 5, 0.0)
     assert chooser.rates(1, GREEDY) == {}
+
+
+def test_a_clear_loser_is_measured_once():
+    """A burst of wide sampled requests must not pay four slow pipelined
+    steps before the chooser settles on plain ones."""
+    chooser = ScheduleChooser()
+    seconds = {PLAIN: 0.008, POLICY: 0.009, PIPELINED: 0.150}
+    rates = {PLAIN: 2100.0, POLICY: 1900.0, PIPELINED: 900.0}
+    made = _run(chooser, 17, SAMPLED, rates, 2 * MEASURE, seconds)
+    assert sum(c.arm == PIPELINED for c in made) == 1
+    assert made[-1].arm == PLAIN

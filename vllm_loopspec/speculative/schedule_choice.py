@@ -28,7 +28,7 @@ is a plain step and counts for the plain arm too.
 
 A key measures each arm :data:`MIN_SAMPLES` times first (fewest samples
 first, a width bucket new to the chooser starting with its neighbour's
-winner); afterwards it takes the arm with the best rate, a speculative arm
+winner; an arm whose first step clearly lost, :data:`CLEAR_LOSS`, once); afterwards it takes the arm with the best rate, a speculative arm
 having to beat the plain one by :data:`SPECULATION_MARGIN` (vLLM's plain
 step is the safer choice within the rates' noise), and tries each other arm
 in turn one step in an interval that doubles while it keeps losing
@@ -51,6 +51,11 @@ PLAIN, POLICY, PIPELINED = "plain", "policy", "pipelined"
 ARMS = (PLAIN, POLICY, PIPELINED)
 
 MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
+# An arm whose first step at a key delivered under this share of another
+# arm's measured rate, and took more than twice that arm's step, is measured
+# enough: an expensive clear loser (a pipelined step of a wide sampled batch
+# costs many plain steps) is left to the tries.
+CLEAR_LOSS = 0.7
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 # A speculative arm must beat the plain one by this share.
 SPECULATION_MARGIN = 0.03
@@ -119,7 +124,7 @@ class ScheduleChooser:
         return choice
 
     def _choose(self, key: _Key, where: tuple[int, int]) -> ScheduleChoice:
-        unmeasured = [arm for arm in ARMS if key.arms[arm].samples < MIN_SAMPLES]
+        unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
         if unmeasured:
             neighbour = self._neighbour_winner(where)
             if neighbour in unmeasured and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
@@ -174,6 +179,17 @@ class ScheduleChooser:
             if key and all(a.samples >= MIN_SAMPLES for a in key.arms.values()):
                 return _winner(key)
         return None
+
+
+def _measured(key: _Key, arm: str) -> bool:
+    rate = key.arms[arm]
+    if rate.samples >= MIN_SAMPLES:
+        return True
+    others = [r for a, r in key.arms.items() if a != arm and r.samples >= MIN_SAMPLES // 2]
+    if not rate.samples or not others:
+        return False
+    best = max(others, key=lambda r: r.rate)
+    return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
 
 
 def _winner(key: _Key) -> str:
