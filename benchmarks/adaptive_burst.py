@@ -35,7 +35,8 @@ def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: s
     from vllm import SamplingParams
 
     engine = llm.llm_engine
-    controller = getattr(getattr(model_runner(llm), "drafter", None), "controller", None)
+    drafter = getattr(model_runner(llm), "drafter", None)
+    controller = getattr(drafter, "controller", None)
     engine.add_request(f"{tag}-greedy", greedy_prompt,
                        SamplingParams(max_tokens=args.greedy_tokens, temperature=0, ignore_eos=True))
     produced: dict[str, int] = {}
@@ -62,10 +63,16 @@ def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: s
             if produced.get(f"{tag}-greedy"):
                 t0 = now  # the greedy request's prefill is done: the clock starts
             continue
-        last = controller.history[-1] if controller is not None and controller.history else None
-        steps.append({"t": now - t0, "committed": committed, "width": len(outs),
-                      "k": max(last.drafts, default=0) if last is not None else 0,
-                      "reason": last.reason if last is not None else "native"})
+        if drafter is None:
+            k, reason = 0, "native"
+        elif drafter.chooser is not None:
+            # "auto": the step's own drafts and the arm chosen for it.
+            k, reason = drafter.step_drafts, drafter.step_arm or "not chosen"
+        else:
+            last = controller.history[-1] if controller is not None and controller.history else None
+            k = max(last.drafts, default=0) if last is not None else 0
+            reason = last.reason if last is not None else "none"
+        steps.append({"t": now - t0, "committed": committed, "width": len(outs), "k": k, "reason": reason})
     burst_ends = [s["t"] for s in steps if s["width"] > 1]
     end_of_burst = max(burst_ends) if burst_ends else burst_at
     return {"burst_at": burst_at, "burst_end": end_of_burst, "steps": steps,
@@ -114,6 +121,8 @@ def main() -> None:
     ap.add_argument("--burst-tokens", type=int, default=96)
     ap.add_argument("--burst-after-tokens", type=int, default=200,
                     help="tokens the greedy request decodes alone before the burst arrives")
+    ap.add_argument("--schedule", choices=["round", "auto"], default=None,
+                    help="the loopspec engine's schedule (default: loopspec's default)")
     ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_burst.json")
     args = ap.parse_args()
 
@@ -123,8 +132,9 @@ def main() -> None:
 
     common = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=not args.compiled,
                   seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
+    spec = {"method": "loopspec"} | ({"schedule": args.schedule} if args.schedule else {})
     engines = {"native": LLM(str(args.checkpoint), **common),
-               "loopspec adaptive": LLM(str(args.checkpoint), speculative_config={"method": "loopspec"}, **common)}
+               "loopspec adaptive": LLM(str(args.checkpoint), speculative_config=spec, **common)}
     prompts = load_prompts("mixed")
     greedy_prompt, burst = prompts[0], [prompts[(1 + i) % len(prompts)] for i in range(16)]
     for name, llm in engines.items():  # warm-up: shapes, and the policy's cost model
@@ -146,6 +156,7 @@ def main() -> None:
     record = {
         "benchmark": "adaptive_burst", "command": " ".join(["python", *sys.argv]),
         "engine": "in-process vLLM V1, " + ("compiled (default mode)" if args.compiled else "enforce_eager"),
+        "speculative_config": spec,
         "workload": {"greedy_tokens": args.greedy_tokens, "burst": 16, "burst_tokens": args.burst_tokens,
                      "burst_temperature": 0.8, "burst_after_tokens": args.burst_after_tokens},
         "vllm": vllm.__version__, "torch": torch.__version__, "cores": os.cpu_count(),

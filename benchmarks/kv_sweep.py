@@ -244,8 +244,9 @@ def policy_snapshot(llm) -> dict:
     schedule = None if chooser is None else {
         "decisions (arm, reason)": {f"{arm} {why}": n for (arm, why), n in sorted(chooser.decisions.items())},
         "rates (tok/s, samples) by width bucket and mix": {
-            f"width bucket {bucket} mix {mix}": {arm: [round(r.rate, 1), r.samples] for arm, r in key.arms.items()}
-            for (bucket, mix), key in sorted(chooser._keys.items())}}
+            f"width bucket {bucket} mix {mix} context bucket {context}": {
+                arm: [round(r.rate, 1), r.samples] for arm, r in key.arms.items()}
+            for (bucket, mix, context), key in sorted(chooser._keys.items())}}
     return {"costs": None if costs is None else {"plain": costs.plain, "spec": costs.spec, "context": costs.context},
             "schedule_choice": schedule,
             "time_factors (measured/predicted, samples)": factors,

@@ -154,4 +154,4 @@ def test_auto_schedule_switches_between_schedules_and_stays_exact(loopspec_llms,
     assert stats.pipelined_second_proposals > 0  # the default second proposal at 2 d
     chosen = {arm for arm, _ in drafter.chooser.decisions}
     assert {"policy", "pipelined"} <= chosen, drafter.chooser.decisions
-    assert drafter.chooser.rates(8, 0) and drafter.chooser.rates(1, 0)
+    assert any(key[0] == 0 for key in drafter.chooser._keys) and any(key[0] == 3 for key in drafter.chooser._keys)

@@ -15,7 +15,7 @@ def _run(chooser, width, mix, rates, steps, seconds=None):
         choice = chooser.choose(width, mix)
         made.append(choice)
         step = (seconds or {}).get(choice.arm, 0.01)
-        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step, drafted=choice.arm != PLAIN)
+        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step)
     return made
 
 
@@ -38,12 +38,15 @@ def test_speculation_must_beat_plain_steps_by_the_margin():
     assert all(c.arm == PLAIN for c in _run(chooser, 8, SAMPLED, rates, 6))
 
 
-def test_policy_steps_without_drafts_are_plain_steps():
+def test_contexts_are_measured_apart():
+    """Steps over long prompts are slower whatever the arm: plain steps timed
+    over long contexts must not make a pipeline timed over short ones win."""
     chooser = ScheduleChooser()
-    chooser.observe(4, GREEDY, POLICY, 4, 0.004, drafted=False)
-    chooser.observe(4, GREEDY, POLICY, 12, 0.006, drafted=True)
-    rates = chooser.rates(4, GREEDY)
-    assert rates[PLAIN] == (1000.0, 1) and rates[POLICY][1] == 2
+    chooser.observe(4, GREEDY, PLAIN, 4, 0.008, context=600)
+    chooser.observe(4, GREEDY, PIPELINED, 20, 0.020, context=100)
+    assert chooser.rates(4, GREEDY, 600)[PIPELINED][1] == 0
+    assert chooser.rates(4, GREEDY, 100)[PLAIN][1] == 0
+    assert chooser.rates(4, GREEDY, 110)[PIPELINED] == (1000.0, 1)  # the same bucket
 
 
 def test_widths_and_mixes_are_measured_apart():

@@ -87,16 +87,23 @@ def print_acceptance(metrics: str) -> None:
     if not drafts:
         print("[demo] native decoding (no speculation)")
         return
-    drafted = sum(v for _, v in _values(metrics, "vllm:spec_decode_num_draft_tokens_total"))
     accepted = sum(v for _, v in _values(metrics, "vllm:spec_decode_num_accepted_tokens_total"))
-    per_pos = sorted(((int(labels.split('position="')[1].split('"')[0]), v)
-                      for labels, v in _values(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total")))
     rounds = sum(v for _, v in _values(metrics, "loopspec:rounds_total"))
-    print(f"[demo] loopspec: {int(drafts)} request-rounds, {int(drafted)} drafted, {int(accepted)} accepted "
-          f"({accepted / drafted:.0%}); {1 + accepted / drafts:.2f} tokens per round; {int(rounds)} engine steps")
+    pipelined = sum(v for _, v in _values(metrics, "loopspec:pipelined_steps_total"))
+    # loopspec's own counts: a pipelined step hands vLLM a chain it verified
+    # itself (vLLM sees every draft accepted); these count first proposals kept.
+    drafted = sum(v for _, v in _values(metrics, "loopspec:drafted_tokens_total"))
+    kept = sum(v for _, v in _values(metrics, "loopspec:accepted_tokens_total"))
+    print(f"[demo] loopspec: {int(drafts)} request-steps with drafts, {1 + accepted / drafts:.2f} tokens each; "
+          f"{int(drafted)} drafted, {int(kept)} accepted ({kept / max(drafted, 1):.0%}); "
+          f"{int(rounds)} engine steps with drafts ({int(pipelined)} pipelined)")
+    per_pos = {int(labels.split('position="')[1].split('"')[0]): v
+               for labels, v in _values(metrics, "loopspec:accepted_per_pos_total")}
+    tried = {int(labels.split('position="')[1].split('"')[0]): v
+             for labels, v in _values(metrics, "loopspec:drafted_per_pos_total")}
     if per_pos:
         print("[demo] accepted at draft position: " + ", ".join(
-            f"{pos + 1}: {v / drafts:.0%}" for pos, v in per_pos))
+            f"{pos}: {per_pos[pos] / tried[pos]:.0%}" for pos in sorted(per_pos) if tried.get(pos)))
 
 
 if __name__ == "__main__":

@@ -96,11 +96,12 @@ class LoopSpecDrafter:
         # (width, mix, pipelined, start) until its rate can be observed.
         self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
-        self._next_choice: tuple[int, int, str] | None = None  # (width, mix, arm) of the next step
-        # (width, mix, arm, drafted, start) of the running step; then (..., seconds) of the last one.
-        self._choice_step: tuple[int, int, str, bool, float] | None = None
-        self._choice_timed: tuple[int, int, str, bool, float] | None = None
+        self._next_choice: tuple[int, int, int, str] | None = None  # (width, mix, context, arm) of the next step
+        # (width, mix, context, arm, start) of the running step; then (..., seconds) of the last one.
+        self._choice_step: tuple[int, int, int, str, float] | None = None
+        self._choice_timed: tuple[int, int, int, str, float] | None = None
         self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
+        self.step_drafts, self.step_arm = 0, None
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -187,9 +188,10 @@ class LoopSpecDrafter:
             sampled = batch.temperature_cpu[decoding_rows] > 0
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
-                choice = self.chooser.choose(len(decoding_rows), mix)
+                context = int(batch.num_tokens_no_spec[decoding_rows].mean())
+                choice = self.chooser.choose(len(decoding_rows), mix, context)
                 self._next_pipelined = choice.arm == PIPELINED
-                self._next_choice = (len(decoding_rows), mix, choice.arm)
+                self._next_choice = (len(decoding_rows), mix, context, choice.arm)
                 if choice.arm == PLAIN:
                     # Plain steps have delivered more here than speculation.
                     self.stats.skipped[SKIP_MEASURED] += len(decoding_rows)
@@ -228,8 +230,8 @@ class LoopSpecDrafter:
         counts = committed.counts.tolist()
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
-            width, mix, arm, drafted, seconds = self._choice_timed
-            self.chooser.observe(width, mix, arm, sum(counts), seconds, drafted)
+            width, mix, context, arm, seconds = self._choice_timed
+            self.chooser.observe(width, mix, arm, sum(counts), seconds, context)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -295,6 +297,10 @@ class LoopSpecDrafter:
         self._step_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         self._step_pipelined = self._next_pipelined
+        # What the step runs, for traces and benchmarks: its largest K_i and,
+        # with "auto", the arm it was chosen for (None: not a chosen decode step).
+        self.step_drafts = max((len(t) for t in spec_tokens.values()), default=0)
+        self.step_arm = self._next_choice[3] if self._next_choice is not None else None
         if self.chooser is not None:
             self._time_schedule_choice(now, scheduler_output)
         if (self.controller is None or not tokens or self._step_pipelined
@@ -324,11 +330,11 @@ class LoopSpecDrafter:
         running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
         if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
-            width, mix, arm, drafted, start = last
+            width, mix, context, arm, start = last
             if self.runner.use_async_scheduling:
-                self._choice_timed = (width, mix, arm, drafted, now - start)
+                self._choice_timed = (width, mix, context, arm, now - start)
             elif self._step_committed is not None:
-                self.chooser.observe(width, mix, arm, self._step_committed, now - start, drafted)
+                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context)
         choice, self._next_choice = self._next_choice, None
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -338,11 +344,12 @@ class LoopSpecDrafter:
         # Only steps that represent their arm: not the first of a shape (a
         # new shape pays one-off work), not the policy's warm-up (it cycles
         # K, the largest included, to fit its cost model).
-        shape = (choice[2], max((len(t) for t in spec.values()), default=0), scheduler_output.total_num_scheduled_tokens)
-        first, warming_up = shape not in self._choice_shapes, choice[2] == POLICY and self.controller.costs is None
+        arm = choice[3]
+        shape = (arm, max((len(t) for t in spec.values()), default=0), scheduler_output.total_num_scheduled_tokens)
+        first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)
         if not first and not warming_up:
-            self._choice_step = (*choice, bool(spec), now)
+            self._choice_step = (*choice, now)
 
     def step_finished(self) -> None:
         if self._step_shape is None:

@@ -18,13 +18,16 @@ handling included). The plain arm makes "never slower than native" a
 measured floor: where the policy's rounds lose to plain steps, the steps are
 plain.
 
-Per (width bucket, sampling mix) the chooser keeps, for each arm, the median
+Per key — width bucket (powers of two), sampling mix and context bucket
+(the rows' mean length, powers of two from :data:`CONTEXT_UNIT` tokens: a
+step over long prompts is slower whatever its arm, and arms measured at
+different lengths must not be compared) — the chooser keeps, for each arm,
+the median
 rate (committed tokens over seconds) of its last :data:`RATE_WINDOW` steps:
 a median, because a step that met a new shape (kernel selection,
 compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
-which cycles K to fit its cost model); a policy step that drafted nothing
-is a plain step and counts for the plain arm too.
+which cycles K to fit its cost model).
 
 A key measures each arm :data:`MIN_SAMPLES` times first (fewest samples
 first, a width bucket new to the chooser starting with its neighbour's
@@ -48,6 +51,7 @@ import numpy as np
 from vllm_loopspec.speculative.adaptive import width_bucket
 
 PLAIN, POLICY, PIPELINED = "plain", "policy", "pipelined"
+CONTEXT_UNIT = 64  # tokens: mean row lengths below this share a context bucket
 ARMS = (PLAIN, POLICY, PIPELINED)
 
 MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
@@ -110,20 +114,21 @@ class ScheduleChoice:
 
 class ScheduleChooser:
     def __init__(self) -> None:
-        self._keys: dict[tuple[int, int], _Key] = {}
+        self._keys: dict[tuple[int, int, int], _Key] = {}  # (width bucket, mix, context bucket)
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
 
-    def choose(self, width: int, mix: int) -> ScheduleChoice:
+    def choose(self, width: int, mix: int, context: int = 0) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
-        sampling ``mix`` (see :func:`~.adaptive.sampling_mix`)."""
-        where = (width_bucket(width), mix)
+        sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
+        length ``context``."""
+        where = _where(width, mix, context)
         key = self._keys.setdefault(where, _Key())
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
         return choice
 
-    def _choose(self, key: _Key, where: tuple[int, int]) -> ScheduleChoice:
+    def _choose(self, key: _Key, where: tuple[int, int, int]) -> ScheduleChoice:
         unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
         if unmeasured:
             neighbour = self._neighbour_winner(where)
@@ -151,34 +156,33 @@ class ScheduleChooser:
         key.since_retry += 1
         return ScheduleChoice(winner, "faster")
 
-    def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, drafted: bool = True) -> None:
-        """A decode step of ``width`` requests: its arm, the tokens it
-        committed, the seconds from its start to the next step's start, and
-        (a policy step) whether it drafted at all: one that did not is a
-        plain step."""
-        if seconds <= 0:
-            return
-        key = self._keys.setdefault((width_bucket(width), mix), _Key())
-        key.arms[arm].update(committed, seconds)
-        if arm == POLICY and not drafted:
-            key.arms[PLAIN].update(committed, seconds)
+    def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0) -> None:
+        """A decode step of ``width`` requests of mean length ``context``:
+        its arm, the tokens it committed and the seconds from its start to
+        the next step's start."""
+        if seconds > 0:
+            self._keys.setdefault(_where(width, mix, context), _Key()).arms[arm].update(committed, seconds)
 
-    def rates(self, width: int, mix: int) -> dict[str, tuple[float, int]]:
+    def rates(self, width: int, mix: int, context: int = 0) -> dict[str, tuple[float, int]]:
         """Per arm: measured tokens per second and samples."""
-        key = self._keys.get((width_bucket(width), mix))
+        key = self._keys.get(_where(width, mix, context))
         if key is None:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
 
-    def _neighbour_winner(self, where: tuple[int, int]) -> str | None:
-        """The winning arm at an adjacent width bucket of the same mix,
-        where every arm was measured."""
-        bucket, mix = where
+    def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
+        """The winning arm at an adjacent width bucket of the same mix and
+        context, where every arm was measured."""
+        bucket, mix, context = where
         for other in (bucket - 1, bucket + 1):
-            key = self._keys.get((other, mix))
+            key = self._keys.get((other, mix, context))
             if key and all(a.samples >= MIN_SAMPLES for a in key.arms.values()):
                 return _winner(key)
         return None
+
+
+def _where(width: int, mix: int, context: int) -> tuple[int, int, int]:
+    return width_bucket(width), mix, (max(int(context), 0) // CONTEXT_UNIT).bit_length()
 
 
 def _measured(key: _Key, arm: str) -> bool:
