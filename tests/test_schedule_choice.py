@@ -57,9 +57,8 @@ def test_widths_and_mixes_are_measured_apart():
     _run(chooser, 16, SAMPLED, wins_plain, MEASURE)
     assert all(c.arm == PIPELINED for c in _run(chooser, 1, GREEDY, wins_pipelined, 4))
     assert all(c.arm == PLAIN for c in _run(chooser, 16, SAMPLED, wins_plain, 4))
-    # A width of a new bucket starts with its neighbour's winner.
-    first = chooser.choose(2, GREEDY)
-    assert first.arm == PIPELINED and first.reason == "measure"
+    # A width of a new bucket starts from its neighbour's measurements.
+    assert chooser.choose(2, GREEDY).arm == PIPELINED
 
 
 def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
@@ -104,3 +103,15 @@ def test_a_clear_loser_is_measured_once():
     made = _run(chooser, 17, SAMPLED, rates, 2 * MEASURE, seconds)
     assert sum(c.arm == PIPELINED for c in made) == 1
     assert made[-1].arm == PLAIN
+
+
+def test_a_new_context_bucket_starts_from_its_neighbour():
+    """A request's length crosses context buckets as it decodes: the next
+    bucket takes the measured one's rates instead of measuring every arm
+    (slow pipelined steps and rounds) again."""
+    chooser = ScheduleChooser()
+    rates = {PLAIN: 1600.0, POLICY: 1200.0, PIPELINED: 900.0}
+    _run(chooser, 8, SAMPLED, rates, 2 * MEASURE)
+    first = chooser.choose(8, SAMPLED, context=100)
+    assert first.arm == PLAIN and first.reason == "faster"
+    assert chooser.rates(8, SAMPLED, 100)[PIPELINED][1] >= MIN_SAMPLES

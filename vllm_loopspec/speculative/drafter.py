@@ -90,10 +90,9 @@ class LoopSpecDrafter:
         self._step_start = 0.0
         self._step_end: float | None = None
         self._planes: tuple[StackedPlanes | None] | None = None  # found at the first pipelined step
-        # "schedule": "auto": the chooser picks each step's schedule by
-        # measured rate; _next_pipelined is its choice for the next step,
-        # _step_pipelined the running step's, _choice_timed the last step's
-        # (width, mix, pipelined, start) until its rate can be observed.
+        # "schedule": "auto": the chooser picks each decode step's arm by
+        # measured rate (:mod:`.schedule_choice`). _next_pipelined: whether
+        # the next step pipelines; _step_pipelined: the running step's.
         self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
         self._next_choice: tuple[int, int, int, str] | None = None  # (width, mix, context, arm) of the next step

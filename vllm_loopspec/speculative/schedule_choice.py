@@ -29,7 +29,9 @@ compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
 which cycles K to fit its cost model).
 
-A key measures each arm :data:`MIN_SAMPLES` times first (fewest samples
+A new key starts from an adjacent key's recent steps where one has
+every arm measured (the next context bucket first, then the next width
+bucket); otherwise it measures each arm :data:`MIN_SAMPLES` times first (fewest samples
 first, a width bucket new to the chooser starting with its neighbour's
 winner; an arm whose first step clearly lost, :data:`CLEAR_LOSS`, once); afterwards it takes the arm with the best rate, a speculative arm
 having to beat the plain one by :data:`SPECULATION_MARGIN` (vLLM's plain
@@ -122,7 +124,9 @@ class ScheduleChooser:
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
         length ``context``."""
         where = _where(width, mix, context)
-        key = self._keys.setdefault(where, _Key())
+        key = self._keys.get(where)
+        if key is None:
+            key = self._keys[where] = self._seeded(where)
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -169,6 +173,24 @@ class ScheduleChooser:
         if key is None:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
+
+    def _seeded(self, where: tuple[int, int, int]) -> _Key:
+        """A new key, started from the recent steps of an adjacent one whose
+        arms were all measured (the next context bucket first: a request's
+        length crosses buckets as it decodes, and measuring every arm again
+        at each would cost a slow pipelined step or round each time); its
+        own steps then replace them, and the losers' tries check them."""
+        bucket, mix, context = where
+        for other in ((bucket, mix, context - 1), (bucket, mix, context + 1),
+                      (bucket - 1, mix, context), (bucket + 1, mix, context)):
+            source = self._keys.get(other)
+            if source is not None and all(a.samples >= MIN_SAMPLES for a in source.arms.values()):
+                key = _Key()
+                for arm, rate in source.arms.items():
+                    key.arms[arm].recent.extend(rate.recent)
+                    key.arms[arm].samples = len(rate.recent)
+                return key
+        return _Key()
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
