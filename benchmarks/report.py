@@ -690,6 +690,16 @@ def times(value) -> str:
     return "–" if value is None else f"{value:.2f}×"
 
 
+def save_speedup_grid(fig, axes, name: str) -> str:
+    """Label, save and close a row of speedup-over-native bar panels."""
+    axes[0][0].set_ylabel("speedup over native (median tok/s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOTS / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
 def plot_pipelined(rec: dict) -> str:
     """Speedup over native per concurrency: the best round of each d and each pipelined arm."""
     cells = list(rec["results"])
@@ -714,13 +724,7 @@ def plot_pipelined(rec: dict) -> str:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(np.arange(len(concs)) + 0.4 - width / 2, [f"c={c}" for c in concs])
         ax.set_title(cell)
-    axes[0][0].set_ylabel("speedup over native (median tok/s)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    name = "pipelined_speedup.png"
-    fig.savefig(PLOTS / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_speedup_grid(fig, axes, "pipelined_speedup.png")
 
 
 def plot_auto(rec: dict) -> str:
@@ -749,13 +753,7 @@ def plot_auto(rec: dict) -> str:
         ax.axhline(0.97, color="red", lw=0.6, ls=":")
         ax.set_xticks(np.arange(len(concs)) + 0.4 - width / 2, [f"c={c}" for c in concs])
         ax.set_title(cell, fontsize=9)
-    axes[0][0].set_ylabel("speedup over native (median tok/s)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    name = "adaptive_auto.png"
-    fig.savefig(PLOTS / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_speedup_grid(fig, axes, "adaptive_auto.png")
 
 
 def pipeline_ceiling_section(rec: dict) -> list[str]:
