@@ -2,7 +2,7 @@
 
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
-                                                      RETRY_TIME_SHARE, ScheduleChooser)
+                                                      RETRY_TIME_SHARE, ScheduleChoice, ScheduleChooser)
 
 MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
 
@@ -115,3 +115,27 @@ def test_a_new_context_bucket_starts_from_its_neighbour():
     first = chooser.choose(8, SAMPLED, context=100)
     assert first.arm == PLAIN and first.reason == "faster"
     assert chooser.rates(8, SAMPLED, 100)[PIPELINED][1] >= MIN_SAMPLES
+
+
+def test_a_clear_loser_measured_once_still_seeds_the_next_context_bucket():
+    """A wide sampled batch decodes through several context buckets: its
+    slow pipelined step is paid once, not once per bucket."""
+    chooser = ScheduleChooser()
+    seconds = {PLAIN: 0.008, POLICY: 0.009, PIPELINED: 0.150}
+    rates = {PLAIN: 2100.0, POLICY: 1900.0, PIPELINED: 900.0}
+    _run(chooser, 17, SAMPLED, rates, 2 * MEASURE, seconds)
+    assert chooser.rates(17, SAMPLED)[PIPELINED][1] == 1
+    first = chooser.choose(17, SAMPLED, context=100)
+    assert first.arm == PLAIN and first.reason == "faster"
+
+
+def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
+    """Arms measured at the neighbour are borrowed one by one; only the
+    arm measured nowhere is measured at the new bucket."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.005)
+        chooser.observe(8, SAMPLED, POLICY, 8, 0.006)
+    first = chooser.choose(8, SAMPLED, context=100)
+    assert first == ScheduleChoice(PIPELINED, "measure")
+    assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (1600.0, MIN_SAMPLES)

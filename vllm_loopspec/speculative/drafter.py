@@ -101,6 +101,7 @@ class LoopSpecDrafter:
         self._choice_timed: tuple[int, int, int, str, float] | None = None
         self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
         self.step_drafts, self.step_arm = 0, None
+        self.proposed_drafts = True  # whether the last (synchronous) proposal drafted anything
 
     # -- vLLM's proposer interface -------------------------------------------
     def load_model(self, model) -> None:
@@ -146,6 +147,7 @@ class LoopSpecDrafter:
         self._step_committed = sum(len(t) for t in sampled_token_ids)
         # A row that sampled nothing is a partial prefill chunk.
         limits = self._next_limits(lambda row, req_id: row < len(sampled_token_ids) and bool(sampled_token_ids[row]))
+        self.proposed_drafts = any(limits)
         return [[] if k is None else [PLACEHOLDER_TOKEN] * k for k in limits]
 
     def _propose_async(self) -> torch.Tensor:

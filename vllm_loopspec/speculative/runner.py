@@ -9,6 +9,7 @@ runner keeps only what vLLM offers no other way into:
 * ``_model_forward``: a step with drafts runs the drafter's round
   (:meth:`LoopSpecDrafter.run_step`) instead of the plain forward;
 * ``_input_fits_in_drafter``: per-request limits are the drafter's business;
+* ``take_draft_token_ids``: a proposal without drafts is not handed over;
 * ``execute_model`` / ``sample_tokens``: time each step for the adaptive
   policy (:meth:`LoopSpecDrafter.step_started`);
 * under async scheduling: ``execute_model`` trims vLLM's uniform
@@ -140,6 +141,16 @@ class LoopSpecRunnerMixin:
         if torch.is_tensor(self._draft_token_ids):
             self.prev_num_spec_tokens = self._draft_token_ids.shape[1]
         self._draft_token_req_ids = None
+
+    def take_draft_token_ids(self):
+        if not self.use_async_scheduling and not self.drafter.proposed_drafts:
+            # A proposal without drafts (a plain step next: the width cap, a
+            # measured plain arm) has nothing to hand over: vLLM's
+            # Scheduler.schedule already emptied the spec_token_ids of every
+            # request it scheduled, and Scheduler.update_draft_token_ids
+            # would only set them to [] again, request by request.
+            return None
+        return super().take_draft_token_ids()
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)

@@ -29,15 +29,17 @@ compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
 which cycles K to fit its cost model).
 
-A new key starts from an adjacent key's recent steps where one has
-every arm measured (the next context bucket first, then the next width
-bucket); otherwise it measures each arm :data:`MIN_SAMPLES` times first (fewest samples
-first, a width bucket new to the chooser starting with its neighbour's
-winner; an arm whose first step clearly lost, :data:`CLEAR_LOSS`, once); afterwards it takes the arm with the best rate, a speculative arm
-having to beat the plain one by :data:`SPECULATION_MARGIN` (vLLM's plain
-step is the safer choice within the rates' noise), and tries each other arm
-in turn one step in an interval that doubles while it keeps losing
-(:data:`RETRY_BACKOFF`), and not before the winner has run long enough for
+An arm with no steps at a key borrows the recent steps of the first
+adjacent key where it was measured (the next context bucket first, then
+the next width bucket); the arms still unmeasured are measured
+:data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
+chooser starting with its neighbour's winner; an arm whose first step
+clearly lost, :data:`CLEAR_LOSS`, once). Then the chooser takes the arm
+with the best rate, a speculative arm having to beat the plain one by
+:data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
+the rates' noise), and tries each other arm in turn one step in an interval
+that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
+the winner has run long enough for
 the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
 
 A pure object, tested without an engine (``tests/test_schedule_choice.py``).
@@ -124,9 +126,9 @@ class ScheduleChooser:
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
         length ``context``."""
         where = _where(width, mix, context)
-        key = self._keys.get(where)
-        if key is None:
-            key = self._keys[where] = self._seeded(where)
+        key = self._keys.setdefault(where, _Key())
+        if not _all_measured(key):
+            self._fill_from_neighbours(key, where)
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -174,31 +176,36 @@ class ScheduleChooser:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
 
-    def _seeded(self, where: tuple[int, int, int]) -> _Key:
-        """A new key, started from the recent steps of an adjacent one whose
-        arms were all measured (the next context bucket first: a request's
-        length crosses buckets as it decodes, and measuring every arm again
-        at each would cost a slow pipelined step or round each time); its
-        own steps then replace them, and the losers' tries check them."""
+    def _fill_from_neighbours(self, key: _Key, where: tuple[int, int, int]) -> None:
+        """Each arm without steps of its own at this key starts from the
+        recent steps of the first adjacent key where it was measured (the
+        next context bucket first, then the next width bucket): a request's
+        length crosses context buckets as it decodes, and measuring every
+        arm again at each bucket would cost slow pipelined steps and rounds
+        each time (a pipelined step of a wide sampled batch costs some
+        thirty plain steps). Per arm, so that a bucket entered while its
+        neighbour was still measuring takes what is known there; an arm
+        measured once as a clear loser counts as measured. The key's own
+        steps then replace the borrowed ones, and the losers' tries check
+        them."""
         bucket, mix, context = where
-        for other in ((bucket, mix, context - 1), (bucket, mix, context + 1),
-                      (bucket - 1, mix, context), (bucket + 1, mix, context)):
-            source = self._keys.get(other)
-            if source is not None and all(a.samples >= MIN_SAMPLES for a in source.arms.values()):
-                key = _Key()
-                for arm, rate in source.arms.items():
-                    key.arms[arm].recent.extend(rate.recent)
-                    key.arms[arm].samples = len(rate.recent)
-                return key
-        return _Key()
+        neighbours = [self._keys.get(other) for other in ((bucket, mix, context - 1), (bucket, mix, context + 1),
+                                                          (bucket - 1, mix, context), (bucket + 1, mix, context))]
+        for arm, rate in key.arms.items():
+            if rate.samples:
+                continue
+            source = next((n for n in neighbours if n is not None and _measured(n, arm)), None)
+            if source is not None:
+                rate.recent.extend(source.arms[arm].recent)
+                rate.samples = len(rate.recent)
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
-        context, where every arm was measured."""
+        context, where every arm was measured (see :func:`_all_measured`)."""
         bucket, mix, context = where
         for other in (bucket - 1, bucket + 1):
             key = self._keys.get((other, mix, context))
-            if key and all(a.samples >= MIN_SAMPLES for a in key.arms.values()):
+            if key and _all_measured(key):
                 return _winner(key)
         return None
 
@@ -216,6 +223,11 @@ def _measured(key: _Key, arm: str) -> bool:
         return False
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
+
+
+def _all_measured(key: _Key) -> bool:
+    """Every arm measured enough to decide (a clear loser after one step)."""
+    return all(_measured(key, arm) for arm in ARMS)
 
 
 def _winner(key: _Key) -> str:
