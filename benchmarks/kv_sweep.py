@@ -150,7 +150,8 @@ PIPELINE_COUNTERS = ("pipelined_steps", "pipelined_ticks", "pipelined_restarts",
 
 def pipeline_counters(llm) -> dict | None:
     drafter = getattr(model_runner(llm), "drafter", None)
-    if drafter is None or drafter.options.schedule not in ("pipelined", "auto"):
+    options = getattr(drafter, "options", None)  # None: native, or a peer method's proposer
+    if options is None or options.schedule not in ("pipelined", "auto"):
         return None
     stats = drafter.stats
     return {name: getattr(stats, name) for name in PIPELINE_COUNTERS}

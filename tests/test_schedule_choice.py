@@ -57,8 +57,10 @@ def test_widths_and_mixes_are_measured_apart():
     _run(chooser, 16, SAMPLED, wins_plain, MEASURE)
     assert all(c.arm == PIPELINED for c in _run(chooser, 1, GREEDY, wins_pipelined, 4))
     assert all(c.arm == PLAIN for c in _run(chooser, 16, SAMPLED, wins_plain, 4))
-    # A width of a new bucket starts from its neighbour's measurements.
-    assert chooser.choose(2, GREEDY).arm == PIPELINED
+    # A new width bucket measures its neighbour's winner first, and borrows
+    # no rates from it (tokens per second differ with the width).
+    assert chooser.choose(2, GREEDY) == ScheduleChoice(PIPELINED, "measure")
+    assert all(samples == 0 for _, samples in chooser.rates(2, GREEDY).values())
 
 
 def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
@@ -139,3 +141,15 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     first = chooser.choose(8, SAMPLED, context=100)
     assert first == ScheduleChoice(PIPELINED, "measure")
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (1600.0, MIN_SAMPLES)
+
+
+def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
+    """A pipelined step of a wide batch runs many ticks: two of them say as
+    much as four short steps, and cost as much as many."""
+    chooser = ScheduleChooser()
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.060}
+    rates = {PLAIN: 1600.0, POLICY: 1500.0, PIPELINED: 1400.0}  # no clear loss
+    made = _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, seconds)
+    measured = [c for c in made if c.reason == "measure"]
+    assert sum(c.arm == PIPELINED for c in measured) == MIN_SAMPLES // 2
+    assert made[-1].arm == PLAIN

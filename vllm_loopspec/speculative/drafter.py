@@ -101,6 +101,7 @@ class LoopSpecDrafter:
         self._choice_timed: tuple[int, int, int, str, float] | None = None
         self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
         self.step_drafts, self.step_arm = 0, None
+        self._plain_arm_steps = 0  # "auto": steps of its plain arm
         self.proposed_drafts = True  # whether the last (synchronous) proposal drafted anything
 
     # -- vLLM's proposer interface -------------------------------------------
@@ -186,10 +187,12 @@ class LoopSpecDrafter:
         self._next_pipelined, self._next_choice = self.options.schedule == "pipelined", None
         if self.controller is not None:
             decoding_rows = [row for row, d in enumerate(rows) if d]
-            sampled = batch.temperature_cpu[decoding_rows] > 0
+            # Every row decodes in most steps: a slice reads no index list.
+            where = slice(0, len(rows)) if len(decoding_rows) == len(rows) else decoding_rows
+            sampled = batch.temperature_cpu[where] > 0
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
-                context = int(batch.num_tokens_no_spec[decoding_rows].mean())
+                context = int(batch.num_tokens_no_spec[where].sum()) // len(decoding_rows)
                 choice = self.chooser.choose(len(decoding_rows), mix, context)
                 self._next_pipelined = choice.arm == PIPELINED
                 self._next_choice = (len(decoding_rows), mix, context, choice.arm)
@@ -304,10 +307,14 @@ class LoopSpecDrafter:
         self.step_arm = self._next_choice[3] if self._next_choice is not None else None
         if self.chooser is not None:
             self._time_schedule_choice(now, scheduler_output)
+        if self.step_arm == PLAIN:
+            self._plain_arm_steps += 1
         if (self.controller is None or not tokens or self._step_pipelined
-                or (not self.controller.armed and not spec_tokens and self.controller.step % TIME_UNDER_CAP_EVERY)):
-            # Under the width cap most plain steps go untimed: their cost is
-            # known, and timing is a share of a narrow step's host work.
+                or (not self.controller.armed and not spec_tokens and self.controller.step % TIME_UNDER_CAP_EVERY)
+                or (self.step_arm == PLAIN and self._plain_arm_steps % TIME_UNDER_CAP_EVERY)):
+            # Under the width cap (and in the "auto" chooser's plain steps)
+            # most plain steps go untimed: their cost is known, and timing
+            # is a share of a narrow step's host work.
             self._step_shape = self._step_end = None
             return
         drafts = [len(t) for t in spec_tokens.values()]

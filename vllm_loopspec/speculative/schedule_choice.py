@@ -29,12 +29,12 @@ compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
 which cycles K to fit its cost model).
 
-An arm with no steps at a key borrows the recent steps of the first
-adjacent key where it was measured (the next context bucket first, then
-the next width bucket); the arms still unmeasured are measured
+An arm with no steps at a key borrows the recent steps of an adjacent
+context bucket (same width bucket and mix) where it was measured; the arms still unmeasured are measured
 :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first step
-clearly lost, :data:`CLEAR_LOSS`, once). Then the chooser takes the arm
+clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
+:data:`LONG_STEP`, half as often). Then the chooser takes the arm
 with the best rate, a speculative arm having to beat the plain one by
 :data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
 the rates' noise), and tries each other arm in turn one step in an interval
@@ -47,10 +47,10 @@ A pure object, tested without an engine (``tests/test_schedule_choice.py``).
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from vllm_loopspec.speculative.adaptive import width_bucket
 
@@ -64,6 +64,10 @@ MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
 # enough: an expensive clear loser (a pipelined step of a wide sampled batch
 # costs many plain steps) is left to the tries.
 CLEAR_LOSS = 0.7
+# An arm whose steps take more than this many times another arm's is
+# measured after half the steps: a long step averages over many ticks, and
+# each costs as much as several short ones.
+LONG_STEP = 4
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 # A speculative arm must beat the plain one by this share.
 SPECULATION_MARGIN = 0.03
@@ -79,18 +83,24 @@ RETRY_TIME_SHARE = 0.03
 class _ArmRate:
     recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s, seconds) per step
     samples: int = 0
+    rate: float = 0.0  # median tokens/s of the recent steps
+    step_seconds: float = 0.0  # their median seconds
 
     def update(self, tokens: int, seconds: float) -> None:
         self.recent.append((tokens / seconds, seconds))
         self.samples += 1
+        self._summarise()
 
-    @property
-    def rate(self) -> float:
-        return float(np.median([r for r, _ in self.recent])) if self.recent else 0.0
+    def borrow(self, other: "_ArmRate") -> None:
+        """Start from ``other``'s recent steps (an adjacent key's)."""
+        self.recent.extend(other.recent)
+        self.samples = len(self.recent)
+        self._summarise()
 
-    @property
-    def step_seconds(self) -> float:
-        return float(np.median([s for _, s in self.recent])) if self.recent else 0.0
+    def _summarise(self) -> None:
+        # Read several times a step, written once: summarised on write.
+        self.rate = statistics.median(r for r, _ in self.recent)
+        self.step_seconds = statistics.median(s for _, s in self.recent)
 
 
 @dataclass
@@ -178,8 +188,8 @@ class ScheduleChooser:
 
     def _fill_from_neighbours(self, key: _Key, where: tuple[int, int, int]) -> None:
         """Each arm without steps of its own at this key starts from the
-        recent steps of the first adjacent key where it was measured (the
-        next context bucket first, then the next width bucket): a request's
+        recent steps of an adjacent context bucket where it was measured
+        (the shorter one first): a request's
         length crosses context buckets as it decodes, and measuring every
         arm again at each bucket would cost slow pipelined steps and rounds
         each time (a pipelined step of a wide sampled batch costs some
@@ -189,15 +199,17 @@ class ScheduleChooser:
         steps then replace the borrowed ones, and the losers' tries check
         them."""
         bucket, mix, context = where
-        neighbours = [self._keys.get(other) for other in ((bucket, mix, context - 1), (bucket, mix, context + 1),
-                                                          (bucket - 1, mix, context), (bucket + 1, mix, context))]
+        # Not from another width bucket: a rate there is not a rate here
+        # (a step of twice the rows commits twice the tokens in less than
+        # twice the time); a new width bucket takes only its neighbour's
+        # winner first (:meth:`_neighbour_winner`).
+        neighbours = [self._keys.get((bucket, mix, context - 1)), self._keys.get((bucket, mix, context + 1))]
         for arm, rate in key.arms.items():
             if rate.samples:
                 continue
             source = next((n for n in neighbours if n is not None and _measured(n, arm)), None)
             if source is not None:
-                rate.recent.extend(source.arms[arm].recent)
-                rate.samples = len(rate.recent)
+                rate.borrow(source.arms[arm])
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
@@ -221,6 +233,8 @@ def _measured(key: _Key, arm: str) -> bool:
     others = [r for a, r in key.arms.items() if a != arm and r.samples >= MIN_SAMPLES // 2]
     if not rate.samples or not others:
         return False
+    if rate.samples >= MIN_SAMPLES // 2 and rate.step_seconds > LONG_STEP * min(r.step_seconds for r in others):
+        return True
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
 
