@@ -244,7 +244,7 @@ def policy_snapshot(llm) -> dict:
     chooser = model_runner(llm).drafter.chooser
     schedule = None if chooser is None else {
         "decisions (arm, reason)": {f"{arm} {why}": n for (arm, why), n in sorted(chooser.decisions.items())},
-        "rates (tok/s, samples) by width bucket and mix": {
+        "rates (tok/s per request, samples) by width bucket, mix and context": {
             f"width bucket {bucket} mix {mix} context bucket {context}": {
                 arm: [round(r.rate, 1), r.samples] for arm, r in key.arms.items()}
             for (bucket, mix, context), key in sorted(chooser._keys.items())}}

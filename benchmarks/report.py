@@ -529,10 +529,14 @@ def adaptive_section(rec: dict) -> list[str]:
                          + f"; {pol['decisions_in_last_4096_steps']}")
             choice = pol.get("schedule_choice")
             if choice:
+                # Earlier runs recorded rates per step, not per request.
+                label, rates = next((label, choice[key]) for key, label in (
+                    ("rates (tok/s per request, samples) by width bucket, mix and context", "tok/s per request"),
+                    ("rates (tok/s, samples) by width bucket and mix", "tok/s")) if key in choice)
                 lines.append(f"  - schedule choice (steps by arm and reason): {choice['decisions (arm, reason)']}; "
-                             "measured tok/s (steps) by width bucket and mix: "
+                             f"measured {label} (steps) by width bucket and mix: "
                              + "; ".join(f"{key}: " + ", ".join(f"{arm} {v[0]} ({v[1]})" for arm, v in arms.items())
-                                         for key, arms in choice["rates (tok/s, samples) by width bucket and mix"].items()))
+                                         for key, arms in rates.items()))
             factors = pol.get("time_factors (measured/predicted, samples)")
             if factors:
                 lines.append("  - measured/predicted step time (samples) by width bucket and sampling mix "

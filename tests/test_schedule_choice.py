@@ -46,7 +46,7 @@ def test_contexts_are_measured_apart():
     chooser.observe(4, GREEDY, PIPELINED, 20, 0.020, context=100)
     assert chooser.rates(4, GREEDY, 600)[PIPELINED][1] == 0
     assert chooser.rates(4, GREEDY, 100)[PLAIN][1] == 0
-    assert chooser.rates(4, GREEDY, 110)[PIPELINED] == (1000.0, 1)  # the same bucket
+    assert chooser.rates(4, GREEDY, 110)[PIPELINED] == (250.0, 1)  # the same bucket; per request
 
 
 def test_widths_and_mixes_are_measured_apart():
@@ -140,7 +140,7 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
         chooser.observe(8, SAMPLED, POLICY, 8, 0.006)
     first = chooser.choose(8, SAMPLED, context=100)
     assert first == ScheduleChoice(PIPELINED, "measure")
-    assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (1600.0, MIN_SAMPLES)
+    assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, MIN_SAMPLES)
 
 
 def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
@@ -153,3 +153,16 @@ def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
     measured = [c for c in made if c.reason == "measure"]
     assert sum(c.arm == PIPELINED for c in measured) == MIN_SAMPLES // 2
     assert made[-1].arm == PLAIN
+
+
+def test_rates_are_per_request_so_a_narrowing_batch_is_not_a_slower_arm():
+    """Widths 5 to 8 share a bucket: plain steps of 5 rows (the batch's
+    requests finishing) against pipelined steps of 8 compare per request.
+    Per step, the pipeline's 1500 tok/s would beat plain's 1250."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, POLICY, 8, 0.006)
+        chooser.observe(8, SAMPLED, PIPELINED, 12, 0.008)  # 187.5 tok/s per request
+        chooser.observe(5, SAMPLED, PLAIN, 5, 0.004)  # 250 tok/s per request
+    assert chooser.rates(6, SAMPLED)[PLAIN][0] == 250.0
+    assert chooser.choose(6, SAMPLED).arm == PLAIN

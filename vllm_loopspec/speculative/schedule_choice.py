@@ -23,8 +23,9 @@ Per key — width bucket (powers of two), sampling mix and context bucket
 step over long prompts is slower whatever its arm, and arms measured at
 different lengths must not be compared) — the chooser keeps, for each arm,
 the median
-rate (committed tokens over seconds) of its last :data:`RATE_WINDOW` steps:
-a median, because a step that met a new shape (kernel selection,
+rate (committed tokens per request over seconds: a bucket spans widths,
+and a batch narrows as its requests finish) of its last
+:data:`RATE_WINDOW` steps: a median, because a step that met a new shape (kernel selection,
 compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
 which cycles K to fit its cost model).
@@ -81,9 +82,9 @@ RETRY_TIME_SHARE = 0.03
 
 @dataclass
 class _ArmRate:
-    recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s, seconds) per step
+    recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s/request, seconds) per step
     samples: int = 0
-    rate: float = 0.0  # median tokens/s of the recent steps
+    rate: float = 0.0  # median tokens/s per request of the recent steps
     step_seconds: float = 0.0  # their median seconds
 
     def update(self, tokens: int, seconds: float) -> None:
@@ -177,10 +178,14 @@ class ScheduleChooser:
         its arm, the tokens it committed and the seconds from its start to
         the next step's start."""
         if seconds > 0:
-            self._keys.setdefault(_where(width, mix, context), _Key()).arms[arm].update(committed, seconds)
+            # Per request: a width bucket spans widths (5-8, 9-16), and a
+            # batch narrows as its requests finish; a step of 5 rows must
+            # not look 40% slower than one of 8.
+            self._keys.setdefault(_where(width, mix, context), _Key()).arms[arm].update(
+                committed / max(int(width), 1), seconds)
 
     def rates(self, width: int, mix: int, context: int = 0) -> dict[str, tuple[float, int]]:
-        """Per arm: measured tokens per second and samples."""
+        """Per arm: measured tokens per second per request, and samples."""
         key = self._keys.get(_where(width, mix, context))
         if key is None:
             return {}
