@@ -481,6 +481,7 @@ def adaptive_section(rec: dict) -> list[str]:
              + (" round policy (best d) vs native |" if round_policy else ""),
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if round_policy else "")]
     ok_native = ok_best = cells = paired_native = paired_best = 0
+    round_native = round_best = 0  # the round policy's, where the run has it beside "auto"
     for cell, by_c in rec["results"].items():
         for c, row in by_c.items():
             native = row["native"]["median_tokens_per_s"]
@@ -506,6 +507,8 @@ def adaptive_section(rec: dict) -> list[str]:
             if round_policy:
                 rounds = [r["median_tokens_per_s"] for n, r in row.items() if n.endswith(" adaptive")]
                 extra = f" {fmt(max(rounds) / native)}× |" if rounds else " – |"
+                round_native += bool(rounds) and max(rounds) >= 0.97 * native
+                round_best += bool(rounds) and max(rounds) >= 0.95 * f
             lines.append(f"| {cell} | {c} | {fmt(native, 0)} | {' | '.join(per_d)} | **{fmt(a / native)}×** "
                          f"({fmt(vs_native)}×) | {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} "
                          f"| {fmt(a / f)}× ({fmt(vs_fixed)}×) |" + extra)
@@ -514,7 +517,9 @@ def adaptive_section(rec: dict) -> list[str]:
               f"best fixed (d, K) in {ok_best} of {cells} cells. At each d (cell × d, against the fixed K of "
               f"the same d): ≥ 0.97× native in {per_d['native']} of {per_d['cells']}; within 5% of the best "
               f"fixed K in {per_d['best']} of {per_d['cells']}. Paired within repeats: ≥ 0.97× native in "
-              f"{paired_native} of {cells}; within 5% of the best fixed (d, K) in {paired_best} of {cells}.", ""]
+              f"{paired_native} of {cells}; within 5% of the best fixed (d, K) in {paired_best} of {cells}."
+              + (f" The round policy in the same run, at its best d: ≥ 0.97× native in {round_native} of {cells}; "
+                 f"within 5% of the best fixed (d, K) in {round_best} of {cells}." if round_policy else ""), ""]
     policies = rec.get("adaptive_policies", {})
     if policies:
         lines += ["Policy state after the sweep (fitted seconds per step; decisions of its last 4096 steps):", ""]
@@ -732,12 +737,16 @@ def plot_pipelined(rec: dict) -> str:
 
 
 def plot_auto(rec: dict) -> str:
-    """Per cell and concurrency: the best "auto" arm, the best fixed round and
-    the best fixed pipelined arm, as speedup over native (paired medians)."""
+    """Per cell and concurrency: the best "auto" arm, the round policy (where
+    the run has it beside "auto"), the best fixed round and the best fixed
+    pipelined arm, as speedup over native (ratios of medians)."""
     cells = list(rec["results"])
     fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3.6), sharey=True, squeeze=False)
     suffix = adaptive_suffix(rec)
-    kinds = [("auto (best d)", lambda n: n.endswith(suffix)),
+    kinds = [("auto (best d)", lambda n: n.endswith(suffix))]
+    if suffix == " auto" and any(n.endswith(" adaptive") for n in rec.get("arms", {})):
+        kinds.append(("round policy (best d)", lambda n: n.endswith(" adaptive")))
+    kinds += [
              ("fixed round (best d, K)", lambda n: n.startswith("loopspec") and " K" in n),
              ("fixed pipelined (best)", lambda n: n.startswith("pipelined"))]
     for ax, cell in zip(axes[0], cells):
