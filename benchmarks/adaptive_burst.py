@@ -11,7 +11,7 @@ tokens committed, and for loopspec the policy's decision (the largest K_i of
 the step and why). Reported: throughput before, during and after the burst
 for both engines (the burst window: from the arrival to the last burst
 request's end), and a plot of the policy's K per step over time with the
-batch width (``benchmarks/results/plots/adaptive_burst.png``).
+batch width (``benchmarks/results/plots/<out stem>.png``, ``adaptive_burst.png`` by default).
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ def plot(record: dict, path: Path) -> None:
     ax_w.set_ylabel("requests in step")
     ax_w.set_xlabel("seconds since the greedy request's first token")
     ratio = record["summary"]["burst_speedup_median"]
-    fig.suptitle(f"adaptive policy under a burst: throughput during the burst {ratio:.2f}x native (median)")
+    schedule = record["speculative_config"].get("schedule", "default schedule")
+    fig.suptitle(f"loopspec ({schedule}) under a burst: throughput during the burst {ratio:.2f}x native (median)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -167,7 +168,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    plot(record, RESULTS / "plots" / "adaptive_burst.png")
+    plot(record, RESULTS / "plots" / f"{args.out.stem}.png")
     for w in ("before", "burst", "after"):
         print(f"{w:>6}: native {summary[w + '_tokens_per_s']['native']:.0f} tok/s, adaptive "
               f"{summary[w + '_tokens_per_s']['loopspec adaptive']:.0f} tok/s ({summary[w + '_speedup_median']:.2f}x)")

@@ -585,7 +585,7 @@ def per_depth_counts(rec: dict) -> dict:
     return counts
 
 
-def burst_section(rec: dict) -> list[str]:
+def burst_section(rec: dict, plot_name: str = "adaptive_burst.png") -> list[str]:
     summary = rec["summary"]
     lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}). One greedy request "
              f"decodes {rec['workload']['greedy_tokens']} tokens; "
@@ -598,7 +598,7 @@ def burst_section(rec: dict) -> list[str]:
         tps = summary[f"{w}_tokens_per_s"]
         lines.append(f"| {w} | {fmt(tps['native'], 0)} | {fmt(tps['loopspec adaptive'], 0)} "
                      f"| {fmt(summary[f'{w}_speedup_median'])}× |")
-    lines += ["", "![policy K over time](results/plots/adaptive_burst.png)", ""]
+    lines += ["", f"![policy K over time](results/plots/{plot_name})", ""]
     return lines
 
 
@@ -929,6 +929,10 @@ def main() -> None:
     lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
     if burst:
         lines += ["### A burst under a lone greedy request", ""] + burst_section(burst)
+    burst_auto = load("adaptive_burst_auto.json")
+    if burst_auto:
+        lines += ['### The same burst with `"schedule": "auto"`', ""]
+        lines += burst_section(burst_auto, "adaptive_burst_auto.png")
     async_rec = load("async_decode.json")
     lines += ["## Async scheduling (issue 15)", ""]
     lines += async_section(async_rec) if async_rec else ["(no async run recorded)", ""]
@@ -972,6 +976,7 @@ def main() -> None:
               "```", "", "or one at a time:", "", "```",
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, auto, adaptive, burst,
+                burst_auto,
                 async_rec, pipelined, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))

@@ -71,10 +71,11 @@ def test_placeholders_are_trimmed_to_each_rows_chosen_drafts():
 def async_llms(tiny_checkpoint):
     engines = {}
 
-    def get(k, adaptive=False, **overrides):
-        key = (k, adaptive, tuple(sorted(overrides.items())))
+    def get(k, adaptive=False, schedule=None, **overrides):
+        key = (k, adaptive, schedule, tuple(sorted(overrides.items())))
         if key not in engines:
             spec = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": 2, "adaptive": adaptive}
+            spec |= {"schedule": schedule} if schedule else {}
             engines[key] = make_llm(tiny_checkpoint, spec, async_scheduling=True, **overrides)
             config = engines[key].llm_engine.vllm_config
             assert config.scheduler_config.async_scheduling, "async scheduling did not stay on"
@@ -218,7 +219,7 @@ def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_l
     """The async scheduler gives every decoding row the engine's maximum K
     (8 for the adaptive policy); rounds must draft each row's own K_i (here
     the policy is pinned to 2) and stay exact."""
-    llm = async_llms(4, adaptive=True)
+    llm = async_llms(4, adaptive=True, schedule="round")
     controller = model_runner(llm).drafter.controller
     monkeypatch.setattr(controller, "plan", lambda requests, other_tokens=0, context=0: (
         [min(2, limit) for _, _, limit in requests], {}))

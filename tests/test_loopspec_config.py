@@ -32,23 +32,27 @@ def _config(ckpt, spec, **kw):
 
 
 def test_bare_word_and_json_translate_to_vllm_custom_class(tiny_checkpoint):
-    """vLLM reserves the most drafts a round can make: K when the policy is
-    pinned, max_speculative_tokens (default 8) when it adapts."""
+    """vLLM reserves the most drafts a step can make: K when the policy is
+    pinned (a round), max_speculative_tokens when it adapts (default 16:
+    the default schedule "auto" pipelines up to that many slots)."""
     for spec, slots, d, adaptive in [
-            ({"method": "loopspec"}, 8, 2, True),
-            ({"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 3}, 8, 3, True),
-            ({"method": "loopspec", "num_speculative_tokens": 12}, 12, 2, True),
+            ({"method": "loopspec"}, 16, 2, True),
+            ({"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 3}, 16, 3, True),
+            ({"method": "loopspec", "num_speculative_tokens": 12}, 16, 2, True),
+            ({"method": "loopspec", "schedule": "round"}, 8, 2, True),
             ({"method": "loopspec", "num_speculative_tokens": 2, "max_speculative_tokens": 6}, 6, 2, True),
             ({"method": "loopspec", "num_speculative_tokens": 4, "adaptive": False}, 4, 2, False),
-            ({"method": "loopspec", "draft_loops": "auto"}, 8, 2, True),
+            ({"method": "loopspec", "draft_loops": "auto"}, 16, 2, True),
             ({"method": "loopspec", "schedule": "auto"}, 16, 2, True),
-            ("loopspec", 8, 2, True)]:
+            ("loopspec", 16, 2, True)]:
         cfg = _config(tiny_checkpoint, spec)
         assert cfg.speculative_config.method == "custom_class"
         assert cfg.speculative_config.model == EXPECTED_DRAFTER
         assert cfg.speculative_config.num_speculative_tokens == slots
         assert cfg.additional_config["loopspec"]["draft_loops"] == d
         assert cfg.additional_config["loopspec"]["adaptive"] is adaptive
+        schedule = spec.get("schedule", "auto" if adaptive else "round") if isinstance(spec, dict) else "auto"
+        assert cfg.additional_config["loopspec"]["schedule"] == schedule
         assert cfg.parallel_config.worker_cls == EXPECTED_WORKER
 
 
@@ -124,7 +128,7 @@ def test_cli_parses_bare_word():
          "must be a multiple of draft_loops (2)"),
         ({"method": "loopspec", "schedule": "pipelined", "adaptive": True}, {},
          'drop "adaptive" (or set it to false) with "pipelined"'),
-        ({"method": "loopspec", "second_proposal_loop": 3}, {}, 'add "schedule": "pipelined"'),
+        ({"method": "loopspec", "schedule": "round", "second_proposal_loop": 3}, {}, 'add "schedule": "pipelined"'),
         ({"method": "loopspec", "schedule": "pipelined", "draft_loops": 2, "second_proposal_loop": 3}, {},
          "must be a multiple of draft_loops (2)"),
         ({"method": "loopspec"}, {"worker_cls": "some.other.Worker"}, "remove --worker-cls"),

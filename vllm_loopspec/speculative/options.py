@@ -30,7 +30,9 @@ SCHEDULES = ("round", "pipelined", "auto")
 # pipeline's fill and drain are paid once per step; longer steps amortise
 # them), and rounds choose K up to it.
 DEFAULT_AUTO_MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_SCHEDULE = "round"
+# The default where the policy adapts (benchmarks/results/adaptive_sweep_auto.json);
+# "adaptive": false pins a round of K instead.
+DEFAULT_SCHEDULE = "auto"
 
 
 class LoopSpecConfigError(ValueError):
@@ -150,7 +152,7 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "checkpoint or choose another speculative method."
         )
     loops = hf_config.total_ut_steps
-    schedule = raw.get("schedule", DEFAULT_SCHEDULE)
+    schedule = raw.get("schedule", "round" if raw.get("adaptive") is False else DEFAULT_SCHEDULE)
     if schedule not in SCHEDULES:
         raise LoopSpecConfigError(
             f"loopspec schedule must be one of {list(SCHEDULES)}, got {schedule!r}; "
