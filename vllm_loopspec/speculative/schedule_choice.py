@@ -22,17 +22,16 @@ Per key — width bucket (powers of two), sampling mix and context bucket
 (the rows' mean length, powers of two from :data:`CONTEXT_UNIT` tokens: a
 step over long prompts is slower whatever its arm, and arms measured at
 different lengths must not be compared) — the chooser keeps, for each arm,
-the median
-rate (committed tokens per request over seconds: a bucket spans widths,
-and a batch narrows as its requests finish) of its last
-:data:`RATE_WINDOW` steps: a median, because a step that met a new shape (kernel selection,
-compilation) costs many ordinary ones. The engine feeds only steps that
+the median rate (committed tokens per request over seconds: a bucket spans
+widths, and a batch narrows as its requests finish) of its last
+:data:`RATE_WINDOW` steps: a median, because a step that met a new shape
+(kernel selection, compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
 which cycles K to fit its cost model).
 
 An arm with no steps at a key borrows the recent steps of an adjacent
-context bucket (same width bucket and mix) where it was measured; the arms still unmeasured are measured
-:data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
+context bucket (same width bucket and mix) where it was measured; the arms
+still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first step
 clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
 :data:`LONG_STEP`, half as often). Then the chooser takes the arm
@@ -51,7 +50,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-
 
 from vllm_loopspec.speculative.adaptive import width_bucket
 
@@ -138,8 +136,6 @@ class ScheduleChooser:
         length ``context``."""
         where = _where(width, mix, context)
         key = self._keys.setdefault(where, _Key())
-        if not _all_measured(key):
-            self._fill_from_neighbours(key, where)
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -147,6 +143,9 @@ class ScheduleChooser:
 
     def _choose(self, key: _Key, where: tuple[int, int, int]) -> ScheduleChoice:
         unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
+        if unmeasured:
+            self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
+            unmeasured = [arm for arm in unmeasured if not _measured(key, arm)]
         if unmeasured:
             neighbour = self._neighbour_winner(where)
             if neighbour in unmeasured and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
@@ -194,8 +193,8 @@ class ScheduleChooser:
     def _fill_from_neighbours(self, key: _Key, where: tuple[int, int, int]) -> None:
         """Each arm without steps of its own at this key starts from the
         recent steps of an adjacent context bucket where it was measured
-        (the shorter one first): a request's
-        length crosses context buckets as it decodes, and measuring every
+        (the shorter one first): a request's length crosses context
+        buckets as it decodes, and measuring every
         arm again at each bucket would cost slow pipelined steps and rounds
         each time (a pipelined step of a wide sampled batch costs some
         thirty plain steps). Per arm, so that a bucket entered while its
