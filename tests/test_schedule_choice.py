@@ -69,7 +69,11 @@ def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     made = _run(chooser, 4, GREEDY, rates, MEASURE + 300)
     retries = [i for i, c in enumerate(made) if c.reason == "retry"]
     assert {made[i].arm for i in retries} == {PLAIN, PIPELINED}
-    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    # A try of a short arm is two steps (the first pays the switch).
+    assert all(made[i + 1].reason == "retry" and made[i + 1].arm == made[i].arm
+               for i in retries if made[i - 1].reason != "retry")
+    starts = [i for i in retries if made[i - 1].reason != "retry"]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > RETRY_BACKOFF[0]
     # The workload changes: the pipeline becomes the faster arm; tries find it.
     rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 900.0}
@@ -166,3 +170,36 @@ def test_rates_are_per_request_so_a_narrowing_batch_is_not_a_slower_arm():
         chooser.observe(5, SAMPLED, PLAIN, 5, 0.004)  # 250 tok/s per request
     assert chooser.rates(6, SAMPLED)[PLAIN][0] == 250.0
     assert chooser.choose(6, SAMPLED).arm == PLAIN
+
+
+def test_the_step_after_a_switch_of_arm_is_not_a_sample_unless_long():
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(4, SAMPLED, PLAIN, 4, 0.005, after=PLAIN)
+    chooser.observe(4, SAMPLED, PLAIN, 4, 0.0055, after=PIPELINED)  # pays the switch
+    assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES) and chooser.switch_steps == 1
+    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # 18 plain steps long: counts
+    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 1 and chooser.switch_steps == 1
+
+
+def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win():
+    """As measured (``benchmarks/probes/arm_rates_forced.py``, width 4, long
+    prompts, T=0.8): plain steps 4.66 ms, the first after a pipelined step
+    5.5 ms; pipelined steps 87 ms for 17 tokens per request. Plain steps
+    deliver 215 tok/s per request, the pipeline 195; rated on plain steps
+    that follow pipelined ones, plain would look like 182."""
+    chooser = ScheduleChooser()
+    tokens = {PLAIN: 1.0, POLICY: 1.0, PIPELINED: 17.0}
+    seconds = {PLAIN: 0.00466, POLICY: 0.00470, PIPELINED: 0.0872}
+    previous, made = None, []
+    for _ in range(600):
+        choice = chooser.choose(4, SAMPLED, 300)
+        step = seconds[choice.arm] + (0.00084 if previous not in (None, choice.arm) and choice.arm != PIPELINED else 0)
+        chooser.observe(4, SAMPLED, choice.arm, 4 * tokens[choice.arm], step, 300, after=previous)
+        previous = choice.arm
+        made.append(choice)
+    assert made[-1].arm == PLAIN and sum(c.arm == PLAIN and c.reason == "faster" for c in made) > 500
+    assert abs(chooser.rates(4, SAMPLED, 300)[PLAIN][0] - 1 / 0.00466) < 1.0
+    # Measured in streaks: each arm's run of measuring steps is unbroken.
+    measuring = [c.arm for c in made if c.reason == "measure"]
+    assert sum(a != b for a, b in zip(measuring, measuring[1:])) == len(ARMS) - 1

@@ -97,8 +97,10 @@ class LoopSpecDrafter:
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
         self._next_choice: tuple[int, int, int, str] | None = None  # (width, mix, context, arm) of the next step
         # (width, mix, context, arm, start) of the running step; then (..., seconds) of the last one.
-        self._choice_step: tuple[int, int, int, str, float] | None = None
-        self._choice_timed: tuple[int, int, int, str, float] | None = None
+        # (width, mix, context, arm, arm of the step before, start | seconds)
+        self._choice_step: tuple[int, int, int, str, str | None, float] | None = None
+        self._choice_timed: tuple[int, int, int, str, str | None, float] | None = None
+        self._running_arm: str | None = None  # the arm of the running step, if the chooser chose it
         self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
         self.step_drafts, self.step_arm = 0, None
         self._plain_arm_steps = 0  # "auto": steps of its plain arm
@@ -234,8 +236,8 @@ class LoopSpecDrafter:
         counts = committed.counts.tolist()
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
-            width, mix, context, arm, seconds = self._choice_timed
-            self.chooser.observe(width, mix, arm, sum(counts), seconds, context)
+            width, mix, context, arm, after, seconds = self._choice_timed
+            self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -338,12 +340,13 @@ class LoopSpecDrafter:
         running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
         if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
-            width, mix, context, arm, start = last
+            width, mix, context, arm, after, start = last
             if self.runner.use_async_scheduling:
-                self._choice_timed = (width, mix, context, arm, now - start)
+                self._choice_timed = (width, mix, context, arm, after, now - start)
             elif self._step_committed is not None:
-                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context)
+                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context, after=after)
         choice, self._next_choice = self._next_choice, None
+        after, self._running_arm = self._running_arm, None
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         if (choice is None or len(scheduled) != choice[0]
@@ -352,12 +355,12 @@ class LoopSpecDrafter:
         # Only steps that represent their arm: not the first of a shape (a
         # new shape pays one-off work), not the policy's warm-up (it cycles
         # K, the largest included, to fit its cost model).
-        arm = choice[3]
+        arm = self._running_arm = choice[3]
         shape = (arm, max((len(t) for t in spec.values()), default=0), scheduler_output.total_num_scheduled_tokens)
         first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)
         if not first and not warming_up:
-            self._choice_step = (*choice, now)
+            self._choice_step = (*choice, after, now)
 
     def step_finished(self) -> None:
         if self._step_shape is None:

@@ -27,7 +27,16 @@ widths, and a batch narrows as its requests finish) of its last
 :data:`RATE_WINDOW` steps: a median, because a step that met a new shape
 (kernel selection, compilation) costs many ordinary ones. The engine feeds only steps that
 represent their arm (not the first of a shape, not the policy's warm-up,
-which cycles K to fit its cost model).
+which cycles K to fit its cost model), and the chooser drops a step that
+follows a step of another arm (:meth:`ScheduleChooser.observe`'s
+``after``): the first plain step after a pipelined one runs 15-20% slower
+(``benchmarks/probes/arm_rates_forced.py``: 5.5 against 4.7 ms at width 4,
+long prompts, T=0.8; the model forward itself is slower, and the excess
+fades over three steps), so plain steps measured between speculative ones
+made a pipeline that loses 10% to plain steps look 10% faster. Arms are
+therefore measured in streaks, and a short arm's try lasts two steps (the
+first pays the switch); a long step (:data:`LONG_STEP`) counts, since the
+switch costs a share of one short step.
 
 An arm with no steps at a key borrows the recent steps of an adjacent
 context bucket (same width bucket and mix) where it was measured; the arms
@@ -111,6 +120,7 @@ class _Key:
     since_retry: int = 0  # steps of the winning arm since a loser's last try
     retries: int = 0  # tries so far (they rotate over the losing arms)
     last_winner: str | None = None
+    trying: str | None = None  # a short arm whose try has a second step to come
 
 
 @dataclass
@@ -129,6 +139,9 @@ class ScheduleChooser:
     def __init__(self) -> None:
         self._keys: dict[tuple[int, int, int], _Key] = {}  # (width bucket, mix, context bucket)
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
+        self.switch_steps = 0  # steps not sampled: they followed a step of another arm
+        self._last_arm: str | None = None  # the arm of the last choice, at any key
+        self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
 
     def choose(self, width: int, mix: int, context: int = 0) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
@@ -139,6 +152,7 @@ class ScheduleChooser:
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
+        self._last_arm = choice.arm
         return choice
 
     def _choose(self, key: _Key, where: tuple[int, int, int]) -> ScheduleChoice:
@@ -150,10 +164,18 @@ class ScheduleChooser:
             neighbour = self._neighbour_winner(where)
             if neighbour in unmeasured and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
+            if self._last_arm in unmeasured and not self._long(self._last_arm):
+                # A streak: the step after a switch is no sample. Not of
+                # long steps, which count after a switch: the step in flight
+                # is not observed yet, and a second would be one too many.
+                return ScheduleChoice(self._last_arm, "measure")
             # The policy first: its warm-up (before its cost model exists)
             # feeds no samples, and must run before its steps can count.
             fewest = min(unmeasured, key=lambda arm: (key.arms[arm].samples, arm != POLICY))
             return ScheduleChoice(fewest, "measure")
+        if key.trying is not None:
+            arm, key.trying = key.trying, None
+            return ScheduleChoice(arm, "retry")  # the try's sampled step
         winner = _winner(key)
         if key.last_winner is not None and winner != key.last_winner:
             key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
@@ -163,25 +185,40 @@ class ScheduleChooser:
         losers = [arm for arm in ARMS if arm != winner]
         loser = losers[key.retries % len(losers)]
         won, lost = key.arms[winner], key.arms[loser]
-        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= lost.step_seconds / RETRY_TIME_SHARE:
+        # A short arm's try is two steps: the first pays the switch (no sample).
+        short = lost.step_seconds <= LONG_STEP * won.step_seconds
+        cost = (2 if short else 1) * lost.step_seconds
+        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / RETRY_TIME_SHARE:
             key.next_retry = key.steps + key.retry_interval
             key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
             key.since_retry = 0
             key.retries += 1
+            key.trying = loser if short else None
             return ScheduleChoice(loser, "retry")
         key.since_retry += 1
         return ScheduleChoice(winner, "faster")
 
-    def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0) -> None:
+    def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
+                after: str | None = None) -> None:
         """A decode step of ``width`` requests of mean length ``context``:
         its arm, the tokens it committed and the seconds from its start to
-        the next step's start."""
-        if seconds > 0:
-            # Per request: a width bucket spans widths (5-8, 9-16), and a
-            # batch narrows as its requests finish; a step of 5 rows must
-            # not look 40% slower than one of 8.
-            self._keys.setdefault(_where(width, mix, context), _Key()).arms[arm].update(
-                committed / max(int(width), 1), seconds)
+        the next step's start; ``after``: the arm of the step before it
+        (None: not a step the chooser chose)."""
+        if seconds <= 0:
+            return
+        key = self._keys.setdefault(_where(width, mix, context), _Key())
+        self._last_seconds[arm] = seconds
+        if after is not None and after != arm:
+            # The step after a switch of arm is slower (see the module
+            # docstring); a long one carries that as a share of one short step.
+            before = key.arms[after]
+            if not (before.samples and seconds > LONG_STEP * before.step_seconds):
+                self.switch_steps += 1
+                return
+        # Per request: a width bucket spans widths (5-8, 9-16), and a
+        # batch narrows as its requests finish; a step of 5 rows must
+        # not look 40% slower than one of 8.
+        key.arms[arm].update(committed / max(int(width), 1), seconds)
 
     def rates(self, width: int, mix: int, context: int = 0) -> dict[str, tuple[float, int]]:
         """Per arm: measured tokens per second per request, and samples."""
@@ -189,6 +226,12 @@ class ScheduleChooser:
         if key is None:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
+
+    def _long(self, arm: str) -> bool:
+        """Whether ``arm``'s last step, anywhere, took :data:`LONG_STEP`
+        times another arm's last."""
+        others = [s for a, s in self._last_seconds.items() if a != arm]
+        return arm in self._last_seconds and bool(others) and self._last_seconds[arm] > LONG_STEP * min(others)
 
     def _fill_from_neighbours(self, key: _Key, where: tuple[int, int, int]) -> None:
         """Each arm without steps of its own at this key starts from the

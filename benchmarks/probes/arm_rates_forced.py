@@ -1,0 +1,80 @@
+"""Issue 13 check: what the ``"auto"`` chooser measures for each arm when the
+arms are forced in a pattern, against a native engine on the same prompts.
+
+The sweep's chooser rated the pipelined arm 10% above the plain one at
+width 3-4, long prompts, T=0.8, where fixed pipelined lost 20% to native.
+This forces the steps of one ``"auto"`` engine (d=2) to a pattern, records
+every ``observe`` the chooser gets (arm, seconds, committed per request) and
+prints the plain arm's step time by its place after a pipelined step.
+
+    python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts]
+"""
+import collections
+import statistics
+import sys
+import time
+
+from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
+
+PATTERNS = {"all plain": ["plain"], "all pipelined": ["pipelined"],
+            "pipelined, 3 plain": ["pipelined", "plain", "plain", "plain"],
+            "pipelined, 7 plain": ["pipelined"] + ["plain"] * 7}
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm_loopspec.engine_internals import model_runner
+    from vllm_loopspec.speculative.schedule_choice import ScheduleChoice
+
+    width = int(sys.argv[1]) if len(sys.argv) > 1 else 4
+    temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.8
+    prompts = load_prompts(sys.argv[3] if len(sys.argv) > 3 else "long")
+    native = LLM(CHECKPOINT, **ENGINE_ARGS)
+    auto = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": 2, "schedule": "auto"},
+               **ENGINE_ARGS)
+    chooser = model_runner(auto).drafter.chooser
+    choose, observe = chooser.choose, chooser.observe
+    forced = {"pattern": ["plain"], "i": 0, "prev": None}
+    seen = []  # (pattern, arm, previous arm, seconds, committed per request)
+
+    def forced_choose(w, m, c=0):
+        choose(w, m, c)
+        pattern = forced["pattern"]
+        arm = pattern[forced["i"] % len(pattern)]
+        forced["i"] += 1
+        return ScheduleChoice(arm, "measure")
+
+    def recording_observe(w, m, arm, committed, seconds, context=0):
+        seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1)))
+        forced["prev"] = arm
+        return observe(w, m, arm, committed, seconds, context)
+
+    chooser.choose, chooser.observe = forced_choose, recording_observe
+    params = SamplingParams(max_tokens=192, temperature=temperature, ignore_eos=True, seed=None)
+    native_seconds = collections.defaultdict(list)
+    for rep in range(4):
+        batch = [prompts[(rep * width + i) % len(prompts)] for i in range(width)]
+        t = time.perf_counter()
+        native.generate(batch, params, use_tqdm=False)
+        native_seconds["native"].append(time.perf_counter() - t)
+        for name, pattern in PATTERNS.items():
+            forced.update(pattern=pattern, i=0, prev=None, name=name if rep else "warm-up")
+            t = time.perf_counter()
+            auto.generate(batch, params, use_tqdm=False)
+            native_seconds[name].append(time.perf_counter() - t)
+    print("trial seconds (median of 3 after warm-up):")
+    for name, s in native_seconds.items():
+        print(f"  {name:22s} {statistics.median(s[1:]):.3f}  {[round(x, 3) for x in s]}")
+    print("observed step ms and tok/s per request, by pattern, arm and the arm before it:")
+    groups = collections.defaultdict(list)
+    for name, arm, prev, seconds, per_request in seen:
+        if name != "warm-up":
+            groups[(name, arm, prev)].append((seconds, per_request))
+    for (name, arm, prev), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ms = statistics.median(s for s, _ in rows) * 1e3
+        rate = statistics.median(c / s for s, c in rows)
+        print(f"  {name:22s} {arm:10s} after {str(prev):10s} n={len(rows):4d}  {ms:7.2f} ms  {rate:7.1f} tok/s/req")
+
+
+if __name__ == "__main__":
+    main()
