@@ -7,7 +7,7 @@ This forces the steps of one ``"auto"`` engine (d=2) to a pattern, records
 every ``observe`` the chooser gets (arm, seconds, committed per request) and
 prints the plain arm's step time by its place after a pipelined step.
 
-    python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts]
+    python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts] [-v]
 """
 import collections
 import statistics
@@ -18,7 +18,8 @@ from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
 
 PATTERNS = {"all plain": ["plain"], "all pipelined": ["pipelined"],
             "pipelined, 3 plain": ["pipelined", "plain", "plain", "plain"],
-            "pipelined, 7 plain": ["pipelined"] + ["plain"] * 7}
+            "pipelined, 7 plain": ["pipelined"] + ["plain"] * 7,
+            "chosen": None}  # the chooser's own choices
 
 
 def main():
@@ -26,6 +27,7 @@ def main():
     from vllm_loopspec.engine_internals import model_runner
     from vllm_loopspec.speculative.schedule_choice import ScheduleChoice
 
+    patterns = {"chosen": None} if "-v" in sys.argv else PATTERNS  # -v: the chooser alone, each step listed
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.8
     prompts = load_prompts(sys.argv[3] if len(sys.argv) > 3 else "long")
@@ -36,18 +38,23 @@ def main():
     choose, observe = chooser.choose, chooser.observe
     forced = {"pattern": ["plain"], "i": 0, "prev": None}
     seen = []  # (pattern, arm, previous arm, seconds, committed per request)
+    log = []  # the chooser's own choices, as observed: (width, context, arm, after, ms, committed)
 
     def forced_choose(w, m, c=0):
-        choose(w, m, c)
+        chosen = choose(w, m, c)
         pattern = forced["pattern"]
+        if pattern is None:
+            return chosen
         arm = pattern[forced["i"] % len(pattern)]
         forced["i"] += 1
         return ScheduleChoice(arm, "measure")
 
-    def recording_observe(w, m, arm, committed, seconds, context=0):
+    def recording_observe(w, m, arm, committed, seconds, context=0, after=None):
         seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1)))
+        if forced["pattern"] is None:
+            log.append((w, context, arm, after, round(seconds * 1e3, 2), committed))
         forced["prev"] = arm
-        return observe(w, m, arm, committed, seconds, context)
+        return observe(w, m, arm, committed, seconds, context, after=after)
 
     chooser.choose, chooser.observe = forced_choose, recording_observe
     params = SamplingParams(max_tokens=192, temperature=temperature, ignore_eos=True, seed=None)
@@ -57,7 +64,7 @@ def main():
         t = time.perf_counter()
         native.generate(batch, params, use_tqdm=False)
         native_seconds["native"].append(time.perf_counter() - t)
-        for name, pattern in PATTERNS.items():
+        for name, pattern in patterns.items():
             forced.update(pattern=pattern, i=0, prev=None, name=name if rep else "warm-up")
             t = time.perf_counter()
             auto.generate(batch, params, use_tqdm=False)
@@ -65,6 +72,10 @@ def main():
     print("trial seconds (median of 3 after warm-up):")
     for name, s in native_seconds.items():
         print(f"  {name:22s} {statistics.median(s[1:]):.3f}  {[round(x, 3) for x in s]}")
+    if "-v" in sys.argv:
+        print("the chooser's own steps, as observed (width, context, arm, after, ms, committed):")
+        for row in log:
+            print("  ", *row)
     print("observed step ms and tok/s per request, by pattern, arm and the arm before it:")
     groups = collections.defaultdict(list)
     for name, arm, prev, seconds, per_request in seen:
