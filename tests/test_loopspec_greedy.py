@@ -155,3 +155,38 @@ def test_auto_schedule_switches_between_schedules_and_stays_exact(loopspec_llms,
     chosen = {arm for arm, _ in drafter.chooser.decisions}
     assert {"policy", "pipelined"} <= chosen, drafter.chooser.decisions
     assert any(key[0] == 0 for key in drafter.chooser._keys) and any(key[0] == 3 for key in drafter.chooser._keys)
+
+
+def test_auto_step_chosen_pipelined_runs_plain_when_requests_arrive(loopspec_llms, prompts, native_reference):
+    """A pipelined step chosen for one request, which a new request's
+    prefill then joins, runs plain (its drafts cut, left out of vLLM's
+    acceptance counts): the newcomer's first token does not wait for the
+    pipeline. Both outputs stay native's."""
+    from vllm_loopspec.speculative.schedule_choice import PIPELINED, ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser, core = drafter.chooser, llm.llm_engine
+    choose, arrivals_before = chooser.choose, drafter.stats.skipped["arrivals"]
+    chooser.choose = lambda width, mix, context=0: ScheduleChoice(PIPELINED, "measure")
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    try:
+        core.add_request("first", prompts[0], params)
+        tokens, drafts_at_arrival = {}, None
+        while core.has_unfinished_requests():
+            if "second" not in tokens and tokens.get("first", 0) >= 3:
+                core.add_request("second", prompts[1], params)
+                tokens["second"] = 0
+                outs = core.step()
+                drafts_at_arrival = drafter.step_drafts
+            else:
+                outs = core.step()
+            for out in outs:
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+                if out.finished:
+                    assert list(out.outputs[0].token_ids) == native_reference[(prompts[int(out.request_id == "second")], 30)]
+    finally:
+        chooser.choose = choose
+    assert drafts_at_arrival == 0
+    assert drafter.stats.skipped["arrivals"] == arrivals_before + 1
+    assert drafter.stats.pipelined_steps > 0

@@ -66,8 +66,11 @@ class LoopSpecRunnerMixin:
                     "on" if self.use_async_scheduling else "off")
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        if self.use_async_scheduling and scheduler_output.scheduled_spec_decode_tokens:
-            scheduler_output = self._trim_to_chosen_drafts(scheduler_output)
+        if scheduler_output.scheduled_spec_decode_tokens:
+            if self.drafter.runs_plain_instead(scheduler_output):
+                scheduler_output = self._trim_to_chosen_drafts(scheduler_output, {}, not_drafted=True)
+            elif self.use_async_scheduling:
+                scheduler_output = self._trim_to_chosen_drafts(scheduler_output, self.drafter.next_drafts)
         self.drafter.step_started(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
@@ -81,17 +84,24 @@ class LoopSpecRunnerMixin:
     # per request becomes a trim of each row's placeholders at the step's
     # start (as vLLM does for ngram_gpu), the trimmed slots counting as
     # rejected for the scheduler.
-    def _trim_to_chosen_drafts(self, scheduler_output):
-        """A copy of the step's schedule with each row's drafts cut to the
-        ``K_i`` the drafter chose after the previous step (the scheduler's own
-        object is not edited: in-process it is still the scheduler's). vLLM's
-        own trim (``update_scheduler_for_invalid_drafts``) serves ngram_gpu
-        only: it edits in place, waits on a copy event and reads counts by
-        row of a device tensor; here the counts are a host dict."""
+    def _trim_to_chosen_drafts(self, scheduler_output, chosen: dict[str, int], not_drafted: bool = False):
+        """A copy of the step's schedule with each row's drafts cut to
+        ``chosen[req_id]`` (async: the ``K_i`` the drafter chose after the
+        previous step; ``{}``: a plain step, see
+        :meth:`LoopSpecDrafter.runs_plain_instead`). The scheduler's own
+        object keeps its drafts (in-process it is still the scheduler's, and
+        ``Scheduler.update_from_output`` rolls the cut slots back as
+        rejected); ``not_drafted``: the cut slots are also entered in its
+        ``num_invalid_spec_tokens`` (the field through which vLLM leaves
+        grammar-invalidated drafts out of its acceptance metrics), since no
+        draft was made for them. vLLM's own trim
+        (``update_scheduler_for_invalid_drafts``) serves ngram_gpu only: it
+        edits in place, waits on a copy event and reads counts by row of a
+        device tensor; here the counts are a host dict."""
         import dataclasses
 
-        chosen = self.drafter.next_drafts
         spec = dict(scheduler_output.scheduled_spec_decode_tokens)
+        invalid = dict(scheduler_output.num_invalid_spec_tokens or {})
         scheduled = dict(scheduler_output.num_scheduled_tokens)
         total = scheduler_output.total_num_scheduled_tokens
         self._loopspec_scheduled_drafts = {req_id: len(t) for req_id, t in spec.items()}
@@ -102,10 +112,14 @@ class LoopSpecRunnerMixin:
                 continue
             scheduled[req_id] -= cut
             total -= cut
+            if not_drafted:
+                invalid[req_id] = invalid.get(req_id, 0) + cut
             if keep:
                 spec[req_id] = tokens[:keep]
             else:
                 del spec[req_id]
+        if not_drafted:
+            scheduler_output.num_invalid_spec_tokens = invalid
         return dataclasses.replace(scheduler_output, scheduled_spec_decode_tokens=spec,
                                    num_scheduled_tokens=scheduled, total_num_scheduled_tokens=total)
 

@@ -148,7 +148,7 @@ class ScheduleChooser:
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
         length ``context``."""
         where = _where(width, mix, context)
-        key = self._keys.setdefault(where, _Key())
+        key = self._key(where)
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -206,7 +206,7 @@ class ScheduleChooser:
         (None: not a step the chooser chose)."""
         if seconds <= 0:
             return
-        key = self._keys.setdefault(_where(width, mix, context), _Key())
+        key = self._key(_where(width, mix, context))
         self._last_seconds[arm] = seconds
         if after is not None and after != arm:
             # The step after a switch of arm is slower (see the module
@@ -219,6 +219,12 @@ class ScheduleChooser:
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
         key.arms[arm].update(committed / max(int(width), 1), seconds)
+
+    def _key(self, where: tuple[int, int, int]) -> _Key:
+        key = self._keys.get(where)  # not setdefault: a _Key built every step costs more than the lookup
+        if key is None:
+            key = self._keys[where] = _Key()
+        return key
 
     def rates(self, width: int, mix: int, context: int = 0) -> dict[str, tuple[float, int]]:
         """Per arm: measured tokens per second per request, and samples."""
