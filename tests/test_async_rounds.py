@@ -46,6 +46,7 @@ class _Schedule:
     num_scheduled_tokens: dict
     total_num_scheduled_tokens: int
     other: list = field(default_factory=list)
+    num_invalid_spec_tokens: dict | None = None
 
 
 def test_placeholders_are_trimmed_to_each_rows_chosen_drafts():
@@ -56,13 +57,29 @@ def test_placeholders_are_trimmed_to_each_rows_chosen_drafts():
     runner.drafter = type("D", (), {"next_drafts": {"a": 4, "b": 1, "c": 0}})()
     spec = {"a": [-1] * 4, "b": [-1] * 4, "c": [-1] * 4, "d": [-1] * 4}
     original = _Schedule(spec, {"a": 5, "b": 5, "c": 5, "d": 5, "p": 128}, 148)
-    trimmed = runner._trim_to_chosen_drafts(original)
+    trimmed = runner._trim_to_chosen_drafts(original, runner.drafter.next_drafts)
     assert trimmed.scheduled_spec_decode_tokens == {"a": [-1] * 4, "b": [-1]}  # c chose 0, d unknown: none
     assert trimmed.num_scheduled_tokens == {"a": 5, "b": 2, "c": 1, "d": 1, "p": 128}
     assert trimmed.total_num_scheduled_tokens == 148 - 3 - 4 - 4
     assert runner._loopspec_scheduled_drafts == {"a": 4, "b": 4, "c": 4, "d": 4}
     # The scheduler's own object is untouched (in-process it is still its own).
     assert original.num_scheduled_tokens["b"] == 5 and len(original.scheduled_spec_decode_tokens) == 4
+    assert original.num_invalid_spec_tokens is None  # placeholders cut count as rejected
+
+
+def test_a_step_run_plain_instead_leaves_its_cut_slots_out_of_vllms_acceptance_counts():
+    """"auto": a speculative step that arrivals joined runs plain; the cut
+    slots were never drafted, and enter the scheduler's own object's
+    num_invalid_spec_tokens (read by Scheduler.update_from_output)."""
+    class Runner:
+        _trim_to_chosen_drafts = LoopSpecRunnerMixin._trim_to_chosen_drafts
+
+    original = _Schedule({"a": [-1] * 16, "b": [-1] * 3}, {"a": 17, "b": 4, "new": 40}, 61)
+    trimmed = Runner()._trim_to_chosen_drafts(original, {}, not_drafted=True)
+    assert trimmed.scheduled_spec_decode_tokens == {}
+    assert trimmed.num_scheduled_tokens == {"a": 1, "b": 1, "new": 40} and trimmed.total_num_scheduled_tokens == 42
+    assert original.num_invalid_spec_tokens == {"a": 16, "b": 3}
+    assert original.num_scheduled_tokens["a"] == 17  # the scheduler rolls the slots back as rejected
 
 
 # -- end to end, in-process async engines -----------------------------------------

@@ -203,3 +203,29 @@ def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win()
     # Measured in streaks: each arm's run of measuring steps is unbroken.
     measuring = [c.arm for c in made if c.reason == "measure"]
     assert sum(a != b for a, b in zip(measuring, measuring[1:])) == len(ARMS) - 1
+
+
+def test_a_long_arm_in_flight_is_not_measured_again_before_it_is_observed():
+    """Steps are observed at the next step's start: a second slow pipelined
+    step chosen before the first is seen would be paid for nothing when
+    the first already shows it losing."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PLAIN)
+        chooser.observe(16, SAMPLED, POLICY, 16, 0.007, after=POLICY)
+    chooser.observe(1, GREEDY, PIPELINED, 17, 0.040, after=PIPELINED)  # long, elsewhere
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PIPELINED, "measure")
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "measure")  # the pipelined step is in flight
+    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.150, after=POLICY)
+    chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PIPELINED)
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "faster")  # one step showed a clear loss
+
+
+def test_a_long_step_after_a_switch_counts_at_a_key_new_to_the_other_arm():
+    """At a key where plain has no steps yet, a pipelined step after a plain
+    one is still long against plain's last step elsewhere: it counts (else
+    the pipeline is measured again and again)."""
+    chooser = ScheduleChooser()
+    chooser.observe(1, GREEDY, PLAIN, 1, 0.004, after=PLAIN)
+    chooser.observe(17, SAMPLED, PIPELINED, 17 * 17, 0.150, context=80, after=PLAIN)
+    assert chooser.rates(17, SAMPLED, 80)[PIPELINED][1] == 1 and chooser.switch_steps == 0

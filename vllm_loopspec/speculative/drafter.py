@@ -50,7 +50,7 @@ SKIP_BUDGET = "token_budget"  # max_tokens or max_model_len leaves no room
 # such requests decode one token per step, through the plain sampler's path.
 SKIP_MIN_P = "min_p"
 SKIP_LOGIT_BIAS = "logit_bias"
-# "auto": a step chosen pipelined that new requests' prefill joined runs plain.
+# "auto": a speculative step that new requests' prefill joined runs plain.
 SKIP_ARRIVALS = "arrivals"
 _SAMPLING_EPS = 1e-5
 _TINY = torch.finfo(torch.float32).tiny  # log(0) guard for the uniform draws
@@ -299,21 +299,25 @@ class LoopSpecDrafter:
         return k
 
     def runs_plain_instead(self, scheduler_output) -> bool:
-        """``"auto"``: whether a step chosen pipelined runs plain instead,
-        because requests its choice did not count (new requests, prefill
-        chunks) share it: their first tokens would wait for every tick of the
-        pipeline (at a burst's arrival, 40 ms of one greedy request's
-        pipelined step on top of the 50 ms prefill), and the arm was chosen
-        for a batch without them. The runner then drops the step's drafts."""
+        """``"auto"``: whether a speculative step (a pipelined one or the
+        policy's round) runs plain instead, because requests its choice did
+        not count (new requests, prefill chunks) share it: their first
+        tokens would wait for every tick of the speculation (at a burst's
+        arrival, the lone greedy request's 40 ms pipelined step or 25 ms
+        K=16 round on top of the 50 ms prefill of 16 prompts), and the arm
+        was chosen for a batch without them. The runner then drops the
+        step's drafts."""
         choice = self._next_choice
-        if self.chooser is None or not self._next_pipelined or choice is None:
+        # Not under async scheduling: there the step was scheduled before
+        # the choice was made, and its rows do not show arrivals this way.
+        if self.chooser is None or choice is None or choice[3] == PLAIN or self.runner.use_async_scheduling:
             return False
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not scheduler_output.scheduled_new_reqs and all(
                 n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()):
             return False  # decode rows only (a batch that only narrowed keeps its arm)
         self._next_pipelined = False
-        self.stats.skipped[SKIP_ARRIVALS] += len(scheduler_output.scheduled_spec_decode_tokens)
+        self.stats.skipped[SKIP_ARRIVALS] += len(spec)
         return True
 
     # -- step timing (the adaptive policy's cost model) -----------------------

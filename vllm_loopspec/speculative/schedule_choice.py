@@ -36,7 +36,9 @@ fades over three steps), so plain steps measured between speculative ones
 made a pipeline that loses 10% to plain steps look 10% faster. Arms are
 therefore measured in streaks, and a short arm's try lasts two steps (the
 first pays the switch); a long step (:data:`LONG_STEP`) counts, since the
-switch costs a share of one short step.
+switch costs a share of one short step. A step is observed when the next
+one starts, so a long arm's measuring step in flight is not followed by a
+second before it is seen (one may show it losing).
 
 An arm with no steps at a key borrows the recent steps of an adjacent
 context bucket (same width bucket and mix) where it was measured; the arms
@@ -141,6 +143,11 @@ class ScheduleChooser:
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
         self.switch_steps = 0  # steps not sampled: they followed a step of another arm
         self._last_arm: str | None = None  # the arm of the last choice, at any key
+        # The arm of the last choice until a step of it is observed (or two
+        # other steps are: an unobserved step, the first of a shape, must
+        # not hold the arm back for good), and the observes left.
+        self._unobserved: str | None = None
+        self._unobserved_for = 0
         self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
 
     def choose(self, width: int, mix: int, context: int = 0) -> ScheduleChoice:
@@ -152,7 +159,8 @@ class ScheduleChooser:
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
-        self._last_arm = choice.arm
+        self._last_arm = self._unobserved = choice.arm
+        self._unobserved_for = 2
         return choice
 
     def _choose(self, key: _Key, where: tuple[int, int, int]) -> ScheduleChoice:
@@ -161,17 +169,26 @@ class ScheduleChooser:
             self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
             unmeasured = [arm for arm in unmeasured if not _measured(key, arm)]
         if unmeasured:
+            # A long arm's step still in flight (observed at the next step's
+            # start) is not followed by another: one may be all it takes to
+            # see it lose, and a pipelined step of a 17-wide batch moves the
+            # batch's context by 17 tokens, so the next may be at a new key.
+            waiting = self._unobserved if self._unobserved and self._long(self._unobserved) else None
+            open_arms = [arm for arm in unmeasured if arm != waiting]
+            if not open_arms:
+                # Meanwhile the best measured arm here, else a plain step.
+                measured = [arm for arm in ARMS if arm != waiting and key.arms[arm].samples]
+                return ScheduleChoice(_best(key, measured) if measured else PLAIN, "measure")
             neighbour = self._neighbour_winner(where)
-            if neighbour in unmeasured and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
+            if neighbour in open_arms and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
-            if self._last_arm in unmeasured and not self._long(self._last_arm):
+            if self._last_arm in open_arms and not self._long(self._last_arm):
                 # A streak: the step after a switch is no sample. Not of
-                # long steps, which count after a switch: the step in flight
-                # is not observed yet, and a second would be one too many.
+                # long steps, which count after a switch.
                 return ScheduleChoice(self._last_arm, "measure")
             # The policy first: its warm-up (before its cost model exists)
             # feeds no samples, and must run before its steps can count.
-            fewest = min(unmeasured, key=lambda arm: (key.arms[arm].samples, arm != POLICY))
+            fewest = min(open_arms, key=lambda arm: (key.arms[arm].samples, arm != POLICY))
             return ScheduleChoice(fewest, "measure")
         if key.trying is not None:
             arm, key.trying = key.trying, None
@@ -207,14 +224,20 @@ class ScheduleChooser:
         if seconds <= 0:
             return
         key = self._key(_where(width, mix, context))
-        self._last_seconds[arm] = seconds
+        self._unobserved_for -= 1
+        if arm == self._unobserved or self._unobserved_for <= 0:
+            self._unobserved = None
         if after is not None and after != arm:
             # The step after a switch of arm is slower (see the module
-            # docstring); a long one carries that as a share of one short step.
+            # docstring); a long one carries that as a share of one short
+            # step (the step before it: its arm's here, else its last anywhere).
             before = key.arms[after]
-            if not (before.samples and seconds > LONG_STEP * before.step_seconds):
+            reference = before.step_seconds if before.samples else self._last_seconds.get(after)
+            if not (reference and seconds > LONG_STEP * reference):
+                self._last_seconds[arm] = seconds
                 self.switch_steps += 1
                 return
+        self._last_seconds[arm] = seconds
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
@@ -299,5 +322,8 @@ def _all_measured(key: _Key) -> bool:
 
 def _winner(key: _Key) -> str:
     """The arm with the best rate; a speculative one must beat plain by the margin."""
-    scores = {arm: r.rate * (1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN) for arm, r in key.arms.items()}
-    return max(ARMS, key=lambda arm: scores[arm])
+    return _best(key, ARMS)
+
+
+def _best(key: _Key, arms) -> str:
+    return max(arms, key=lambda arm: key.arms[arm].rate * (1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN))
