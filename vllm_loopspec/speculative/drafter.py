@@ -56,6 +56,12 @@ _SAMPLING_EPS = 1e-5
 _TINY = torch.finfo(torch.float32).tiny  # log(0) guard for the uniform draws
 
 
+def _decode_only(scheduler_output) -> bool:
+    """Every scheduled row decodes: its last token and its drafts, no prefill."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items())
+
+
 class LoopSpecDrafter:
     def __init__(self, vllm_config) -> None:
         raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
@@ -313,8 +319,7 @@ class LoopSpecDrafter:
         if self.chooser is None or choice is None or choice[3] == PLAIN or self.runner.use_async_scheduling:
             return False
         spec = scheduler_output.scheduled_spec_decode_tokens
-        if not scheduler_output.scheduled_new_reqs and all(
-                n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()):
+        if not scheduler_output.scheduled_new_reqs and _decode_only(scheduler_output):
             return False  # decode rows only (a batch that only narrowed keeps its arm)
         self._next_pipelined = False
         self.stats.skipped[SKIP_ARRIVALS] += len(spec)
@@ -349,7 +354,7 @@ class LoopSpecDrafter:
         self._step_context = (sum(cached.num_computed_tokens) + tokens
                               + sum(r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs))
         scheduled = self._step_scheduled
-        decode_only = all(n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in scheduled.items())
+        decode_only = _decode_only(scheduler_output)
         self._step_width = len(scheduled) if decode_only else None
         self._step_committed = None
         if self._step_end is not None:
@@ -374,7 +379,7 @@ class LoopSpecDrafter:
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         if (choice is None or len(scheduled) != choice[0]
-                or any(n != 1 + len(spec.get(req_id, ())) for req_id, n in scheduled.items())):
+                or not _decode_only(scheduler_output)):
             return
         # Only steps that represent their arm: not the first of a shape (a
         # new shape pays one-off work), not the policy's warm-up (it cycles
