@@ -96,11 +96,27 @@ def test_stop_string_inside_accepted_run(loopspec_llms, native_llm, tokenizer, s
 @pytest.mark.parametrize("schedule", SCHEDULES + ["auto"])
 def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm, tokenizer, schedule):
     """Prefill chunks share steps with speculating requests (pipelined: the
-    same ticks; "auto": whichever schedule each step takes)."""
+    same ticks; "auto": its arms in turn, forced, since which arm the chooser
+    picks depends on the machine's timings)."""
     if schedule == "auto":
         llm = loopspec_llms(K, 1, adaptive=True, schedule="auto")
     else:
         llm = loopspec_llms(K, schedule=schedule)
+    drafter = model_runner(llm).drafter
+    if schedule == "auto":
+        from vllm_loopspec.speculative.schedule_choice import ARMS, ScheduleChoice
+
+        turn = iter(range(10**6))
+        drafter.chooser.choose = lambda width, mix, context=0: ScheduleChoice(ARMS[next(turn) % 3], "measure")
+    try:
+        _join_mid_generation(llm, native_llm, tokenizer)
+    finally:
+        if drafter.chooser is not None:
+            drafter.chooser.__dict__.pop("choose", None)
+
+
+def _join_mid_generation(llm, native_llm, tokenizer):
+    drafter = model_runner(llm).drafter
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     arrivals = {0: [SHORT[0], SHORT[1]], 2: [long_prompt(300, tokenizer)], 5: [MEDIUM[0], SHORT[4]]}
     expected = {}
@@ -108,7 +124,7 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
         for p in step_prompts:
             expected[p] = list(native_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
     engine = llm.llm_engine
-    rounds_before = model_runner(llm).drafter.stats.rounds
+    rounds_before, pipelined_before = drafter.stats.rounds, drafter.stats.pipelined_steps
     got, step, rid_to_prompt = {}, 0, {}
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i, p in enumerate(arrivals.get(step, [])):
@@ -120,7 +136,7 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
                 got[rid_to_prompt[out.request_id]] = list(out.outputs[0].token_ids)
         step += 1
     assert got == expected
-    assert model_runner(llm).drafter.stats.rounds > rounds_before
+    assert drafter.stats.rounds + drafter.stats.pipelined_steps > rounds_before + pipelined_before
 
 
 def test_cancelled_requests_free_their_kv(loopspec_llms, tokenizer):
