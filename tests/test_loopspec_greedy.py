@@ -190,3 +190,40 @@ def test_auto_step_chosen_pipelined_runs_plain_when_requests_arrive(loopspec_llm
     assert drafts_at_arrival == 0
     assert drafter.stats.skipped["arrivals"] == arrivals_before + 1
     assert drafter.stats.pipelined_steps > 0
+
+
+def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_llms, prompts, native_reference):
+    """A plain verdict's hold (ScheduleChoice.hold) runs the next steps plain
+    without a choice, and credits them to the chooser; a request joining
+    ends it, so the next step is chosen for the new batch."""
+    from vllm_loopspec.speculative.schedule_choice import PLAIN, ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser, core = drafter.chooser, llm.llm_engine
+    calls, credited, step = [], [], 0
+
+    def choose(width, mix, context=0):
+        calls.append((step, width))
+        return ScheduleChoice(PLAIN, "faster", hold=5)
+
+    chooser.choose, chooser.credit_held = choose, credited.append
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    arrival = None
+    try:
+        core.add_request("first", prompts[0], params)
+        while core.has_unfinished_requests():
+            if arrival is None and step == 13:
+                core.add_request("second", prompts[1], params)
+                arrival = step
+            for out in core.step():
+                if out.finished:
+                    assert list(out.outputs[0].token_ids) == native_reference[(prompts[int(out.request_id == "second")], 30)]
+                assert drafter.step_drafts == 0
+            step += 1
+    finally:
+        del chooser.choose, chooser.credit_held
+    alone = [s for s, width in calls if s < arrival]
+    assert alone and all(b - a == 6 for a, b in zip(alone, alone[1:])), calls
+    assert (arrival, 2) in calls, calls  # the step the second request joined: the hold ended there
+    assert sum(credited) + len(calls) >= step - 2 and set(credited) <= set(range(1, 6))

@@ -2,7 +2,8 @@
 
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
-                                                      RETRY_TIME_SHARE, ScheduleChoice, ScheduleChooser)
+                                                      HOLD_STEPS, RETRY_TIME_SHARE, ScheduleChoice,
+                                                      ScheduleChooser)
 
 MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
 
@@ -66,7 +67,7 @@ def test_widths_and_mixes_are_measured_apart():
 def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     chooser = ScheduleChooser()
     rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 400.0}
-    made = _run(chooser, 4, GREEDY, rates, MEASURE + 300)
+    made = _run(chooser, 4, GREEDY, rates, MEASURE + 1200)
     retries = [i for i, c in enumerate(made) if c.reason == "retry"]
     assert {made[i].arm for i in retries} == {PLAIN, PIPELINED}
     # A try of a short arm is two steps (the first pays the switch).
@@ -77,7 +78,7 @@ def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     assert gaps == sorted(gaps) and gaps[-1] > RETRY_BACKOFF[0]
     # The workload changes: the pipeline becomes the faster arm; tries find it.
     rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 900.0}
-    made = _run(chooser, 4, GREEDY, rates, 800)
+    made = _run(chooser, 4, GREEDY, rates, 2400)
     assert made[-1].arm == PIPELINED and made[-1].reason == "faster"
 
 
@@ -92,6 +93,48 @@ def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
     spent = sum(seconds[c.arm] for c in made)
     tried = sum(seconds[c.arm] for c in made if c.arm == PIPELINED)
     assert 0 < tried <= 1.1 * RETRY_TIME_SHARE * spent
+
+
+def _run_holding(chooser, width, mix, rates, steps, seconds):
+    """As :func:`_run`, but as the engine runs a plain hold: the held steps
+    are plain, neither chosen nor observed, and credited at the next choice."""
+    made, held, left = [], 0, 0
+    for _ in range(steps):
+        if left:
+            left, held = left - 1, held + 1
+            made.append(ScheduleChoice(PLAIN, "held"))
+            continue
+        chooser.credit_held(held)
+        held = 0
+        choice = chooser.choose(width, mix)
+        made.append(choice)
+        left = choice.hold
+        step = seconds[choice.arm]
+        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step)
+    chooser.credit_held(held)
+    return made
+
+
+def test_a_plain_hold_changes_no_try():
+    """A plain winner's hold spans only steps no try could be due in: the
+    engine, skipping the choice in those steps, tries the losers at the same
+    steps as asking every step would."""
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120}
+    rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
+    every_step = _run(ScheduleChooser(), 8, SAMPLED, rates, 3000, seconds)
+    holding_chooser = ScheduleChooser()
+    holding = _run_holding(holding_chooser, 8, SAMPLED, rates, 3000, seconds)
+    tries = [(i, c.arm) for i, c in enumerate(every_step) if c.reason == "retry"]
+    assert len(tries) > 4
+    assert [(i, c.arm) for i, c in enumerate(holding) if c.reason == "retry"] == tries
+    assert [c.arm for c in holding] == [c.arm for c in every_step]
+    held = sum(c.reason == "held" for c in holding)
+    assert held > 2000  # most plain steps are not asked
+    assert max(c.hold for c in holding) == HOLD_STEPS
+    assert holding_chooser.decisions[(PLAIN, "faster")] == every_step.count(ScheduleChoice(PLAIN, "faster"))
+    # Only a plain winner holds: a speculative one is asked every step.
+    assert all(c.hold == 0 for c in _run(ScheduleChooser(), 1, GREEDY, {PLAIN: 300.0, POLICY: 400.0,
+                                                                        PIPELINED: 500.0}, 200))
 
 
 def test_no_rate_without_time():

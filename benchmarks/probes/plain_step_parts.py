@@ -2,13 +2,15 @@
 against native. Three engines in this process, interleaved: native;
 loopspec held under the width cap (every step the real fast path,
 ``holds_plain``); and ``"schedule": "auto"`` with every step forced to its
-plain arm (the chooser still decides, and its answer is replaced). Each
+plain arm (the chooser still decides, and its answer is replaced by a plain
+verdict held for ``HOLD_STEPS`` steps, as a settled plain winner runs). Each
 runner and drafter method is timed; ms per engine step, summed over the
 timed repeats.
 
     python benchmarks/probes/plain_step_parts.py [width] [temperature]
 
-Writes ``benchmarks/results/plain_step_parts.json``."""
+Writes ``benchmarks/results/plain_step_parts.json`` (``plain_step_parts_c16.json``
+and so on at another width)."""
 import collections
 import json
 import os
@@ -19,7 +21,9 @@ from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts
 
 RUNNER_METHODS = ("execute_model", "sample_tokens", "_model_forward", "_prepare_inputs", "_update_states",
                   "_bookkeeping_sync", "take_draft_token_ids", "propose_draft_token_ids")
-DRAFTER_METHODS = ("propose", "step_started", "step_finished")
+DRAFTER_METHODS = ("propose", "step_started", "step_finished", "_next_limits", "_count_acceptance",
+                   "_time_schedule_choice", "runs_plain_instead")
+CHOOSER_METHODS = ("choose", "observe")
 NEW_TOKENS, REPEATS = 128, 6  # the first repeat warms every shape and is not timed
 
 
@@ -39,7 +43,7 @@ def timed(obj, name: str, seconds: collections.Counter) -> None:
 def main():
     from vllm import LLM, SamplingParams
     from vllm_loopspec.engine_internals import model_runner
-    from vllm_loopspec.speculative.schedule_choice import PLAIN, ScheduleChoice
+    from vllm_loopspec.speculative.schedule_choice import HOLD_STEPS, PLAIN, ScheduleChoice
 
     width = int(sys.argv[1]) if len(sys.argv) > 1 else 8
     temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.8
@@ -58,7 +62,8 @@ def main():
     held.armed, held.holds_plain = False, hold_plain
     chooser = model_runner(engines["auto plain"]).drafter.chooser
     choose = chooser.choose
-    chooser.choose = lambda w, m, c=0: (choose(w, m, c), ScheduleChoice(PLAIN, "faster"))[1]
+    # As a settled plain verdict runs: held for HOLD_STEPS steps at a time.
+    chooser.choose = lambda w, m, c=0: (choose(w, m, c), ScheduleChoice(PLAIN, "faster", hold=HOLD_STEPS))[1]
     seconds = {name: collections.Counter() for name in engines}
     for name, llm in engines.items():
         runner = model_runner(llm)
@@ -67,6 +72,9 @@ def main():
         if name != "native":
             for method in DRAFTER_METHODS:
                 timed(runner.drafter, method, seconds[name])
+        if name == "auto plain":
+            for method in CHOOSER_METHODS:
+                timed(runner.drafter.chooser, method, seconds[name])
         timed(llm.llm_engine, "step", seconds[name])
     prompts = load_prompts("mixed")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=temperature, ignore_eos=True)
@@ -80,7 +88,7 @@ def main():
     ms = {name: {m: round(s[m] / steps * 1e3, 4) for m in sorted(s)} for name, s in seconds.items()}
     for method in sorted(set().union(*ms.values())):
         print(f"{method:26s}", "  ".join(f"{n}: {ms[n].get(method, 0.0):6.3f}" for n in engines))
-    out = ROOT / "benchmarks" / "results" / "plain_step_parts.json"
+    out = ROOT / "benchmarks" / "results" / ("plain_step_parts.json" if width == 8 else f"plain_step_parts_c{width}.json")
     out.write_text(json.dumps({
         "benchmark": "plain_step_parts", "command": " ".join(["python", *sys.argv]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "width": width, "temperature": temperature,

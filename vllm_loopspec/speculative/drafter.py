@@ -112,6 +112,11 @@ class LoopSpecDrafter:
         self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
         self.step_drafts, self.step_arm = 0, None
         self._plain_arm_steps = 0  # "auto": steps of its plain arm
+        # "auto": plain steps left on the chooser's hold (ScheduleChoice.hold),
+        # the width it was chosen for, the held steps not yet credited to the
+        # chooser, and whether the next step is one of them.
+        self._hold_left = self._hold_width = self._held_steps = 0
+        self._next_held = False
         self.proposed_drafts = True  # whether the last (synchronous) proposal drafted anything
 
     # -- vLLM's proposer interface -------------------------------------------
@@ -191,6 +196,14 @@ class LoopSpecDrafter:
         (:meth:`num_drafts`, at length ``num_tokens(row, req_id)`` when given)
         and, with the adaptive policy, its decision within it."""
         batch = self.runner.input_batch
+        if self._hold_left:
+            # The chooser's plain verdict holds for this unchanged batch
+            # (the runner ends the hold when the batch changes): no decision.
+            self._hold_left -= 1
+            self._held_steps += 1
+            self._next_pipelined, self._next_choice, self._next_held = False, None, True
+            self.stats.skipped[SKIP_MEASURED] += self._hold_width
+            return [None] * len(batch.req_ids)
         rows = [decoding(row, req_id) for row, req_id in enumerate(batch.req_ids)]
         sampled = None
         max_len = self.runner.model_config.max_model_len
@@ -202,8 +215,12 @@ class LoopSpecDrafter:
             sampled = batch.temperature_cpu[where] > 0
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
+                if self._held_steps:
+                    self.chooser.credit_held(self._held_steps)
+                    self._held_steps = 0
                 context = int(batch.num_tokens_no_spec[where].sum()) // len(decoding_rows)
                 choice = self.chooser.choose(len(decoding_rows), mix, context)
+                self._hold_left, self._hold_width = choice.hold, len(decoding_rows)
                 self._next_pipelined = choice.arm == PIPELINED
                 self._next_choice = (len(decoding_rows), mix, context, choice.arm)
                 if choice.arm == PLAIN:
@@ -335,7 +352,7 @@ class LoopSpecDrafter:
         # What the step runs, for traces and benchmarks: its largest K_i and,
         # with "auto", the arm it was chosen for (None: not a chosen decode step).
         self.step_drafts = max((len(t) for t in spec_tokens.values()), default=0)
-        self.step_arm = self._next_choice[3] if self._next_choice is not None else None
+        self.step_arm = self._next_choice[3] if self._next_choice is not None else PLAIN if self._next_held else None
         if self.chooser is not None:
             self._time_schedule_choice(now, scheduler_output)
         if self.step_arm == PLAIN:
@@ -375,9 +392,15 @@ class LoopSpecDrafter:
             elif self._step_committed is not None:
                 self.chooser.observe(width, mix, arm, self._step_committed, now - start, context, after=after)
         choice, self._next_choice = self._next_choice, None
-        after, self._running_arm = self._running_arm, None
+        held, self._next_held = self._next_held, False
+        after, self._running_arm = self._running_arm, PLAIN if held else None
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
+        if self._hold_left and (len(scheduled) != self._hold_width
+                                or scheduler_output.total_num_scheduled_tokens != self._hold_width):
+            # The batch changed (a request finished or joined, a prefill
+            # chunk, a preemption): the step after this one is chosen.
+            self._hold_left = 0
         if (choice is None or len(scheduled) != choice[0]
                 or not _decode_only(scheduler_output)):
             return

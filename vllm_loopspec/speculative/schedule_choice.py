@@ -58,6 +58,7 @@ A pure object, tested without an engine (``tests/test_schedule_choice.py``).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -86,7 +87,11 @@ SPECULATION_MARGIN = 0.03
 RETRY_BACKOFF = (8, 64)
 # And a losing arm's tries take at most this share of the time: a pipelined
 # step of a wide sampled batch costs as many as twenty plain steps.
-RETRY_TIME_SHARE = 0.03
+RETRY_TIME_SHARE = 0.01
+# At most this many steps the plain arm is chosen for at once, for a batch
+# that does not change (:attr:`ScheduleChoice.hold`): the context grows a
+# token a step, and a verdict is kept no further than this from where it was made.
+HOLD_STEPS = 32
 
 
 @dataclass
@@ -131,6 +136,11 @@ class ScheduleChoice:
 
     arm: str  # PLAIN | POLICY | PIPELINED
     reason: str  # "measure" | "faster" | "retry"
+    # The winning plain arm: the steps after this one that no try can be
+    # due in. The engine may run them plain without asking while its batch
+    # stays the same, then :meth:`ScheduleChooser.credit_held` counts them:
+    # a decision every step costs a few percent of a narrow plain step.
+    hold: int = field(default=0, compare=False)
 
     @property
     def pipelined(self) -> bool:
@@ -149,13 +159,14 @@ class ScheduleChooser:
         self._unobserved: str | None = None
         self._unobserved_for = 0
         self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
+        self._last_key: _Key | None = None  # the key of the last choice
 
     def choose(self, width: int, mix: int, context: int = 0) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
         length ``context``."""
         where = _where(width, mix, context)
-        key = self._key(where)
+        key = self._last_key = self._key(where)
         key.steps += 1
         choice = self._choose(key, where)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -213,7 +224,23 @@ class ScheduleChooser:
             key.trying = loser if short else None
             return ScheduleChoice(loser, "retry")
         key.since_retry += 1
-        return ScheduleChoice(winner, "faster")
+        if winner != PLAIN or not won.step_seconds:
+            return ScheduleChoice(winner, "faster")
+        # Steps until a choice could try the loser: both conditions above,
+        # with the held steps counted as winning ones.
+        # (Rounded down where the division's rounding could hold one step too many.)
+        until_due = max(key.next_retry - key.steps - 1,
+                        math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9)) - key.since_retry, 0)
+        return ScheduleChoice(winner, "faster", hold=int(min(until_due, HOLD_STEPS)))
+
+    def credit_held(self, steps: int) -> None:
+        """``steps`` plain steps ran on the last choice's hold (at its key)."""
+        key = self._last_key
+        if key is None or steps <= 0:
+            return
+        key.steps += steps
+        key.since_retry += steps
+        self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
                 after: str | None = None) -> None:
