@@ -168,7 +168,7 @@ def test_auto_step_chosen_pipelined_runs_plain_when_requests_arrive(loopspec_llm
     drafter = model_runner(llm).drafter
     chooser, core = drafter.chooser, llm.llm_engine
     choose, arrivals_before = chooser.choose, drafter.stats.skipped["arrivals"]
-    chooser.choose = lambda width, mix, context=0: ScheduleChoice(PIPELINED, "measure")
+    chooser.choose = lambda width, mix, context=0, in_flight=None: ScheduleChoice(PIPELINED, "measure")
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     try:
         core.add_request("first", prompts[0], params)
@@ -203,7 +203,7 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     chooser, core = drafter.chooser, llm.llm_engine
     calls, credited, step = [], [], 0
 
-    def choose(width, mix, context=0):
+    def choose(width, mix, context=0, in_flight=None):
         calls.append((step, width))
         return ScheduleChoice(PLAIN, "faster", hold=5)
 

@@ -107,7 +107,7 @@ def test_requests_joining_mid_generation_equal_native(loopspec_llms, native_llm,
         from vllm_loopspec.speculative.schedule_choice import ARMS, ScheduleChoice
 
         turn = iter(range(10**6))
-        drafter.chooser.choose = lambda width, mix, context=0: ScheduleChoice(ARMS[next(turn) % 3], "measure")
+        drafter.chooser.choose = lambda width, mix, context=0, in_flight=None: ScheduleChoice(ARMS[next(turn) % 3], "measure")
     try:
         _join_mid_generation(llm, native_llm, tokenizer)
     finally:

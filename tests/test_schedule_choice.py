@@ -88,7 +88,7 @@ def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
     chooser = ScheduleChooser()
     seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120}
     rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
-    made = _run(chooser, 8, SAMPLED, rates, 3000, seconds)[MEASURE:]
+    made = _run(chooser, 8, SAMPLED, rates, 12000, seconds)[MEASURE:]
     assert made[-1].arm == PLAIN
     spent = sum(seconds[c.arm] for c in made)
     tried = sum(seconds[c.arm] for c in made if c.arm == PIPELINED)
@@ -121,15 +121,15 @@ def test_a_plain_hold_changes_no_try():
     steps as asking every step would."""
     seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120}
     rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
-    every_step = _run(ScheduleChooser(), 8, SAMPLED, rates, 3000, seconds)
+    every_step = _run(ScheduleChooser(), 8, SAMPLED, rates, 12000, seconds)
     holding_chooser = ScheduleChooser()
-    holding = _run_holding(holding_chooser, 8, SAMPLED, rates, 3000, seconds)
+    holding = _run_holding(holding_chooser, 8, SAMPLED, rates, 12000, seconds)
     tries = [(i, c.arm) for i, c in enumerate(every_step) if c.reason == "retry"]
-    assert len(tries) > 4
+    assert {arm for _, arm in tries} == {POLICY, PIPELINED}
     assert [(i, c.arm) for i, c in enumerate(holding) if c.reason == "retry"] == tries
     assert [c.arm for c in holding] == [c.arm for c in every_step]
     held = sum(c.reason == "held" for c in holding)
-    assert held > 2000  # most plain steps are not asked
+    assert held > 10000  # most plain steps are not asked
     assert max(c.hold for c in holding) == HOLD_STEPS
     assert holding_chooser.decisions[(PLAIN, "faster")] == every_step.count(ScheduleChoice(PLAIN, "faster"))
     # Only a plain winner holds: a speculative one is asked every step.
@@ -190,15 +190,15 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, MIN_SAMPLES)
 
 
-def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
-    """A pipelined step of a wide batch runs many ticks: two of them say as
-    much as four short steps, and cost as much as many."""
+def test_an_arm_of_long_steps_is_measured_in_one_sampled_step():
+    """A pipelined step of a wide batch runs many ticks: one of them says as
+    much as four short steps, and costs as much as many."""
     chooser = ScheduleChooser()
     seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.060}
     rates = {PLAIN: 1600.0, POLICY: 1500.0, PIPELINED: 1400.0}  # no clear loss
     made = _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, seconds)
     measured = [c for c in made if c.reason == "measure"]
-    assert sum(c.arm == PIPELINED for c in measured) == MIN_SAMPLES // 2
+    assert sum(c.arm == PIPELINED for c in measured) == 1
     assert made[-1].arm == PLAIN
 
 
@@ -215,14 +215,18 @@ def test_rates_are_per_request_so_a_narrowing_batch_is_not_a_slower_arm():
     assert chooser.choose(6, SAMPLED).arm == PLAIN
 
 
-def test_the_step_after_a_switch_of_arm_is_not_a_sample_unless_long():
+def test_the_step_after_a_switch_of_arm_is_not_a_sample():
+    """Not a plain step after a pipelined one (slower), nor a pipelined step
+    after another arm's (its pipeline starts empty)."""
     chooser = ScheduleChooser()
     for _ in range(MIN_SAMPLES):
         chooser.observe(4, SAMPLED, PLAIN, 4, 0.005, after=PLAIN)
     chooser.observe(4, SAMPLED, PLAIN, 4, 0.0055, after=PIPELINED)  # pays the switch
     assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES) and chooser.switch_steps == 1
-    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # 18 plain steps long: counts
-    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 1 and chooser.switch_steps == 1
+    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # fills the pipeline
+    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 0 and chooser.switch_steps == 2
+    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.060, after=PIPELINED)
+    assert chooser.rates(4, SAMPLED)[PIPELINED] == (250.0, 1)
 
 
 def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win():
@@ -249,26 +253,61 @@ def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win()
 
 
 def test_a_long_arm_in_flight_is_not_measured_again_before_it_is_observed():
-    """Steps are observed at the next step's start: a second slow pipelined
-    step chosen before the first is seen would be paid for nothing when
-    the first already shows it losing."""
+    """Steps are observed at the next step's start: a second sampled slow
+    pipelined step chosen before the first is seen would be paid for
+    nothing when the first already shows it losing. Its first step pays
+    the switch and is no sample: the streak goes on to the second."""
     chooser = ScheduleChooser()
     for _ in range(MIN_SAMPLES):
         chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PLAIN)
         chooser.observe(16, SAMPLED, POLICY, 16, 0.007, after=POLICY)
     chooser.observe(1, GREEDY, PIPELINED, 17, 0.040, after=PIPELINED)  # long, elsewhere
     assert chooser.choose(16, SAMPLED) == ScheduleChoice(PIPELINED, "measure")
-    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "measure")  # the pipelined step is in flight
-    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.150, after=POLICY)
+    # The switch step in flight is no sample: the streak goes on.
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PIPELINED, "measure")
+    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.170, after=POLICY)
+    # Now a sampled step is in flight: not another before it is seen.
+    assert chooser.choose(16, SAMPLED, in_flight=PIPELINED) == ScheduleChoice(PLAIN, "measure")
+    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.150, after=PIPELINED)
     chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PIPELINED)
-    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "faster")  # one step showed a clear loss
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "faster")  # one sample showed the loss
 
 
-def test_a_long_step_after_a_switch_counts_at_a_key_new_to_the_other_arm():
-    """At a key where plain has no steps yet, a pipelined step after a plain
-    one is still long against plain's last step elsewhere: it counts (else
-    the pipeline is measured again and again)."""
+def _run_as_the_engine(chooser, width, mix, step, steps, context=0):
+    """Choices as the engine makes them: the step that just ran is observed
+    after the next is chosen (at the next step's start), and the chooser is
+    told whether it will be a sample. ``step(arm, previous arm)``: its
+    (committed tokens, seconds)."""
+    made, pending, previous = [], None, None
+    for _ in range(steps):
+        in_flight = pending[0] if pending and pending[1] in (None, pending[0]) else None
+        choice = chooser.choose(width, mix, context, in_flight)
+        if pending:
+            arm, after, tokens, seconds = pending
+            chooser.observe(width, mix, arm, tokens, seconds, context, after=after)
+        tokens, seconds = step(choice.arm, previous)
+        pending, previous = (choice.arm, previous, tokens, seconds), choice.arm
+        made.append(choice)
+    return made
+
+
+def test_two_long_arms_are_measured_in_streaks_not_alternated_forever():
+    """Width 4, long prompts, greedy (``benchmarks/probes/auto_trace.py``):
+    plain 4.4 ms a step; the policy's rounds 40 ms for 12 tokens a request;
+    pipelined steps 42 ms for 16, but 60 ms after another arm's step (the
+    pipeline starts empty). Measured by steps after switches, the two long
+    arms alternated to the end of the batch with no sample of either."""
     chooser = ScheduleChooser()
-    chooser.observe(1, GREEDY, PLAIN, 1, 0.004, after=PLAIN)
-    chooser.observe(17, SAMPLED, PIPELINED, 17 * 17, 0.150, context=80, after=PLAIN)
-    assert chooser.rates(17, SAMPLED, 80)[PIPELINED][1] == 1 and chooser.switch_steps == 0
+
+    def step(arm, previous):
+        if arm == PLAIN:
+            return 4, 0.0044
+        if arm == POLICY:
+            return 4 * 12, 0.040
+        return 4 * 16, 0.042 if previous == PIPELINED else 0.060
+
+    made = _run_as_the_engine(chooser, 4, GREEDY, step, 200, context=600)
+    measuring = [i for i, c in enumerate(made) if c.reason == "measure"]
+    assert len(measuring) < 20 and max(measuring) < 25, [c.arm[:3] for c in made[:30]]
+    assert made[-1] == ScheduleChoice(PIPELINED, "faster")
+    assert abs(chooser.rates(4, GREEDY, 600)[PIPELINED][0] - 16 / 0.042) < 1.0

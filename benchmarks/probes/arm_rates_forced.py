@@ -40,8 +40,8 @@ def main():
     seen = []  # (pattern, arm, previous arm, seconds, committed per request)
     log = []  # the chooser's own choices, as observed: (width, context, arm, after, ms, committed)
 
-    def forced_choose(w, m, c=0):
-        chosen = choose(w, m, c)
+    def forced_choose(w, m, c=0, in_flight=None):
+        chosen = choose(w, m, c, in_flight)
         pattern = forced["pattern"]
         if pattern is None:
             return chosen

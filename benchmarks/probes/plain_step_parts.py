@@ -63,7 +63,7 @@ def main():
     chooser = model_runner(engines["auto plain"]).drafter.chooser
     choose = chooser.choose
     # As a settled plain verdict runs: held for HOLD_STEPS steps at a time.
-    chooser.choose = lambda w, m, c=0: (choose(w, m, c), ScheduleChoice(PLAIN, "faster", hold=HOLD_STEPS))[1]
+    chooser.choose = lambda w, m, c=0, f=None: (choose(w, m, c, f), ScheduleChoice(PLAIN, "faster", hold=HOLD_STEPS))[1]
     seconds = {name: collections.Counter() for name in engines}
     for name, llm in engines.items():
         runner = model_runner(llm)

@@ -33,19 +33,20 @@ follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 (``benchmarks/probes/arm_rates_forced.py``: 5.5 against 4.7 ms at width 4,
 long prompts, T=0.8; the model forward itself is slower, and the excess
 fades over three steps), so plain steps measured between speculative ones
-made a pipeline that loses 10% to plain steps look 10% faster. Arms are
-therefore measured in streaks, and a short arm's try lasts two steps (the
-first pays the switch); a long step (:data:`LONG_STEP`) counts, since the
-switch costs a share of one short step. A step is observed when the next
-one starts, so a long arm's measuring step in flight is not followed by a
-second before it is seen (one may show it losing).
+made a pipeline that loses 10% to plain steps look 10% faster; and the
+first pipelined step after another arm's starts with an empty pipeline
+(60 against 42 ms at width 4, long prompts, greedy:
+``benchmarks/probes/auto_trace.py``). Arms are therefore measured in
+streaks, and a try lasts two steps (the first pays the switch). A step is
+observed when the next one starts, so a long arm's sampled step in flight
+is not followed by another before it is seen (one may show it losing).
 
 An arm with no steps at a key borrows the recent steps of an adjacent
 context bucket (same width bucket and mix) where it was measured; the arms
 still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
-chooser starting with its neighbour's winner; an arm whose first step
-clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
-:data:`LONG_STEP`, half as often). Then the chooser takes the arm
+chooser starting with its neighbour's winner; an arm whose first sample
+clearly lost, :data:`CLEAR_LOSS`, or an arm of long steps,
+:data:`LONG_STEP`, once). Then the chooser takes the arm
 with the best rate, a speculative arm having to beat the plain one by
 :data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
 the rates' noise), and tries each other arm in turn one step in an interval
@@ -76,8 +77,8 @@ MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
 # costs many plain steps) is left to the tries.
 CLEAR_LOSS = 0.7
 # An arm whose steps take more than this many times another arm's is
-# measured after half the steps: a long step averages over many ticks, and
-# each costs as much as several short ones.
+# measured after one sampled step: a long step averages over many ticks,
+# and each costs as much as several short ones.
 LONG_STEP = 4
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 # A speculative arm must beat the plain one by this share.
@@ -127,7 +128,7 @@ class _Key:
     since_retry: int = 0  # steps of the winning arm since a loser's last try
     retries: int = 0  # tries so far (they rotate over the losing arms)
     last_winner: str | None = None
-    trying: str | None = None  # a short arm whose try has a second step to come
+    trying: str | None = None  # an arm whose try has its second (sampled) step to come
 
 
 @dataclass
@@ -153,38 +154,35 @@ class ScheduleChooser:
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
         self.switch_steps = 0  # steps not sampled: they followed a step of another arm
         self._last_arm: str | None = None  # the arm of the last choice, at any key
-        # The arm of the last choice until a step of it is observed (or two
-        # other steps are: an unobserved step, the first of a shape, must
-        # not hold the arm back for good), and the observes left.
-        self._unobserved: str | None = None
-        self._unobserved_for = 0
         self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
         self._last_key: _Key | None = None  # the key of the last choice
 
-    def choose(self, width: int, mix: int, context: int = 0) -> ScheduleChoice:
+    def choose(self, width: int, mix: int, context: int = 0, in_flight: str | None = None) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
-        length ``context``."""
+        length ``context``; ``in_flight``: the arm of the step that ran
+        last if it is still to be observed as a sample (it followed a
+        step of its own arm)."""
         where = _where(width, mix, context)
         key = self._last_key = self._key(where)
         key.steps += 1
-        choice = self._choose(key, where)
+        choice = self._choose(key, where, in_flight)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
-        self._last_arm = self._unobserved = choice.arm
-        self._unobserved_for = 2
+        self._last_arm = choice.arm
         return choice
 
-    def _choose(self, key: _Key, where: tuple[int, int, int]) -> ScheduleChoice:
+    def _choose(self, key: _Key, where: tuple[int, int, int], in_flight: str | None) -> ScheduleChoice:
         unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
         if unmeasured:
             self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
             unmeasured = [arm for arm in unmeasured if not _measured(key, arm)]
         if unmeasured:
-            # A long arm's step still in flight (observed at the next step's
-            # start) is not followed by another: one may be all it takes to
-            # see it lose, and a pipelined step of a 17-wide batch moves the
-            # batch's context by 17 tokens, so the next may be at a new key.
-            waiting = self._unobserved if self._unobserved and self._long(self._unobserved) else None
+            # A long arm's sampled step still in flight (observed at the
+            # next step's start) is not followed by another: it may be all
+            # it takes to see the arm lose, and a pipelined step of a
+            # 17-wide batch moves the batch's context by 17 tokens, so the
+            # next may be at a new key.
+            waiting = in_flight if in_flight in unmeasured and self._long(in_flight) else None
             open_arms = [arm for arm in unmeasured if arm != waiting]
             if not open_arms:
                 # Meanwhile the best measured arm here, else a plain step.
@@ -193,9 +191,8 @@ class ScheduleChooser:
             neighbour = self._neighbour_winner(where)
             if neighbour in open_arms and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
-            if self._last_arm in open_arms and not self._long(self._last_arm):
-                # A streak: the step after a switch is no sample. Not of
-                # long steps, which count after a switch.
+            if self._last_arm in open_arms:
+                # A streak: the step after a switch is no sample.
                 return ScheduleChoice(self._last_arm, "measure")
             # The policy first: its warm-up (before its cost model exists)
             # feeds no samples, and must run before its steps can count.
@@ -213,15 +210,14 @@ class ScheduleChooser:
         losers = [arm for arm in ARMS if arm != winner]
         loser = losers[key.retries % len(losers)]
         won, lost = key.arms[winner], key.arms[loser]
-        # A short arm's try is two steps: the first pays the switch (no sample).
-        short = lost.step_seconds <= LONG_STEP * won.step_seconds
-        cost = (2 if short else 1) * lost.step_seconds
+        # A try is two steps: the first pays the switch (no sample).
+        cost = 2 * lost.step_seconds
         if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / RETRY_TIME_SHARE:
             key.next_retry = key.steps + key.retry_interval
             key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
             key.since_retry = 0
             key.retries += 1
-            key.trying = loser if short else None
+            key.trying = loser
             return ScheduleChoice(loser, "retry")
         key.since_retry += 1
         if winner != PLAIN or not won.step_seconds:
@@ -250,21 +246,13 @@ class ScheduleChooser:
         (None: not a step the chooser chose)."""
         if seconds <= 0:
             return
-        key = self._key(_where(width, mix, context))
-        self._unobserved_for -= 1
-        if arm == self._unobserved or self._unobserved_for <= 0:
-            self._unobserved = None
-        if after is not None and after != arm:
-            # The step after a switch of arm is slower (see the module
-            # docstring); a long one carries that as a share of one short
-            # step (the step before it: its arm's here, else its last anywhere).
-            before = key.arms[after]
-            reference = before.step_seconds if before.samples else self._last_seconds.get(after)
-            if not (reference and seconds > LONG_STEP * reference):
-                self._last_seconds[arm] = seconds
-                self.switch_steps += 1
-                return
         self._last_seconds[arm] = seconds
+        if after is not None and after != arm:
+            # The step after a switch of arm pays for the switch (see the
+            # module docstring): no sample of its arm.
+            self.switch_steps += 1
+            return
+        key = self._key(_where(width, mix, context))
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
@@ -336,7 +324,7 @@ def _measured(key: _Key, arm: str) -> bool:
     others = [r for a, r in key.arms.items() if a != arm and r.samples >= MIN_SAMPLES // 2]
     if not rate.samples or not others:
         return False
-    if rate.samples >= MIN_SAMPLES // 2 and rate.step_seconds > LONG_STEP * min(r.step_seconds for r in others):
+    if rate.step_seconds > LONG_STEP * min(r.step_seconds for r in others):
         return True
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
