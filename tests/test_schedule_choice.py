@@ -215,18 +215,14 @@ def test_rates_are_per_request_so_a_narrowing_batch_is_not_a_slower_arm():
     assert chooser.choose(6, SAMPLED).arm == PLAIN
 
 
-def test_the_step_after_a_switch_of_arm_is_not_a_sample():
-    """Not a plain step after a pipelined one (slower), nor a pipelined step
-    after another arm's (its pipeline starts empty)."""
+def test_the_step_after_a_switch_of_arm_is_not_a_sample_unless_long():
     chooser = ScheduleChooser()
     for _ in range(MIN_SAMPLES):
         chooser.observe(4, SAMPLED, PLAIN, 4, 0.005, after=PLAIN)
     chooser.observe(4, SAMPLED, PLAIN, 4, 0.0055, after=PIPELINED)  # pays the switch
     assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES) and chooser.switch_steps == 1
-    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # fills the pipeline
-    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 0 and chooser.switch_steps == 2
-    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.060, after=PIPELINED)
-    assert chooser.rates(4, SAMPLED)[PIPELINED] == (250.0, 1)
+    chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # 18 plain steps long: counts
+    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 1 and chooser.switch_steps == 1
 
 
 def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win():
@@ -253,34 +249,30 @@ def test_a_plain_step_slowed_by_the_switch_does_not_make_a_slower_pipeline_win()
 
 
 def test_a_long_arm_in_flight_is_not_measured_again_before_it_is_observed():
-    """Steps are observed at the next step's start: a second sampled slow
-    pipelined step chosen before the first is seen would be paid for
-    nothing when the first already shows it losing. Its first step pays
-    the switch and is no sample: the streak goes on to the second."""
+    """Steps are observed at the next step's start: a second slow pipelined
+    step chosen before the first is seen would be paid for nothing when
+    the first already shows it losing."""
     chooser = ScheduleChooser()
     for _ in range(MIN_SAMPLES):
         chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PLAIN)
         chooser.observe(16, SAMPLED, POLICY, 16, 0.007, after=POLICY)
     chooser.observe(1, GREEDY, PIPELINED, 17, 0.040, after=PIPELINED)  # long, elsewhere
     assert chooser.choose(16, SAMPLED) == ScheduleChoice(PIPELINED, "measure")
-    # The switch step in flight is no sample: the streak goes on.
-    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PIPELINED, "measure")
-    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.170, after=POLICY)
-    # Now a sampled step is in flight: not another before it is seen.
+    # The pipelined step is in flight: meanwhile the best measured arm.
     assert chooser.choose(16, SAMPLED, in_flight=PIPELINED) == ScheduleChoice(PLAIN, "measure")
-    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.150, after=PIPELINED)
+    chooser.observe(16, SAMPLED, PIPELINED, 16 * 17, 0.150, after=POLICY)  # long: counts after the switch
     chooser.observe(16, SAMPLED, PLAIN, 16, 0.006, after=PIPELINED)
-    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "faster")  # one sample showed the loss
+    assert chooser.choose(16, SAMPLED) == ScheduleChoice(PLAIN, "faster")  # one step showed the loss
 
 
-def _run_as_the_engine(chooser, width, mix, step, steps, context=0):
+def _run_as_the_engine(chooser, width, mix, step, steps, context=0, previous=None):
     """Choices as the engine makes them: the step that just ran is observed
     after the next is chosen (at the next step's start), and the chooser is
-    told whether it will be a sample. ``step(arm, previous arm)``: its
-    (committed tokens, seconds)."""
-    made, pending, previous = [], None, None
+    told its arm. ``step(arm, previous arm)``: its (committed tokens,
+    seconds)."""
+    made, pending = [], None
     for _ in range(steps):
-        in_flight = pending[0] if pending and pending[1] in (None, pending[0]) else None
+        in_flight = pending[0] if pending else None
         choice = chooser.choose(width, mix, context, in_flight)
         if pending:
             arm, after, tokens, seconds = pending
@@ -291,23 +283,32 @@ def _run_as_the_engine(chooser, width, mix, step, steps, context=0):
     return made
 
 
-def test_two_long_arms_are_measured_in_streaks_not_alternated_forever():
+def test_two_long_arms_alternating_are_measured_not_dropped_as_switch_steps():
     """Width 4, long prompts, greedy (``benchmarks/probes/auto_trace.py``):
-    plain 4.4 ms a step; the policy's rounds 40 ms for 12 tokens a request;
-    pipelined steps 42 ms for 16, but 60 ms after another arm's step (the
-    pipeline starts empty). Measured by steps after switches, the two long
-    arms alternated to the end of the batch with no sample of either."""
+    plain 4.4 ms a step; the policy's rounds 38 ms for 13 tokens a request;
+    pipelined steps 62 ms for 17. At a key where plain and the policy are
+    measured, the pipeline's steps alternate with the policy's (its step in
+    flight is not followed by another). When a step after a switch counted
+    only if long against the other arm's step, each dropped the other's as
+    a switch step: measuring went on to the end of the batch."""
     chooser = ScheduleChooser()
+    steps = {PLAIN: (4, 0.0044), POLICY: (4 * 13, 0.038), PIPELINED: (4 * 17, 0.062)}
+    for arm in (PLAIN, POLICY):
+        for _ in range(MIN_SAMPLES + 1):
+            chooser.observe(4, GREEDY, arm, *steps[arm], 600, after=arm)
+    chooser.observe(1, GREEDY, PIPELINED, 17, 0.040, after=PIPELINED)  # long, elsewhere
+    made = _run_as_the_engine(chooser, 4, GREEDY, lambda arm, previous: steps[arm], 100, context=600,
+                              previous=POLICY)
+    assert sum(c.reason == "measure" for c in made) <= 2, [c.arm[:3] for c in made[:30]]
+    assert made[-1] == ScheduleChoice(POLICY, "faster")
+    assert abs(chooser.rates(4, GREEDY, 600)[PIPELINED][0] - 17 / 0.062) < 1.0
 
-    def step(arm, previous):
-        if arm == PLAIN:
-            return 4, 0.0044
-        if arm == POLICY:
-            return 4 * 12, 0.040
-        return 4 * 16, 0.042 if previous == PIPELINED else 0.060
 
-    made = _run_as_the_engine(chooser, 4, GREEDY, step, 200, context=600)
-    measuring = [i for i, c in enumerate(made) if c.reason == "measure"]
-    assert len(measuring) < 20 and max(measuring) < 25, [c.arm[:3] for c in made[:30]]
-    assert made[-1] == ScheduleChoice(PIPELINED, "faster")
-    assert abs(chooser.rates(4, GREEDY, 600)[PIPELINED][0] - 16 / 0.042) < 1.0
+def test_a_long_step_after_a_switch_counts_at_a_key_new_to_the_other_arm():
+    """At a key where plain has no steps yet, a pipelined step after a plain
+    one is still long against plain's last step elsewhere: it counts (else
+    the pipeline is measured again and again)."""
+    chooser = ScheduleChooser()
+    chooser.observe(1, GREEDY, PLAIN, 1, 0.004, after=PLAIN)
+    chooser.observe(17, SAMPLED, PIPELINED, 17 * 17, 0.150, context=80, after=PLAIN)
+    assert chooser.rates(17, SAMPLED, 80)[PIPELINED][1] == 1 and chooser.switch_steps == 0

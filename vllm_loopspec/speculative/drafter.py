@@ -219,11 +219,9 @@ class LoopSpecDrafter:
                     self.chooser.credit_held(self._held_steps)
                     self._held_steps = 0
                 context = int(batch.num_tokens_no_spec[where].sum()) // len(decoding_rows)
-                # The step that just ran is observed when the next starts: if
-                # it is to be a sample (not the first after a switch of arm),
-                # the chooser waits for it before measuring its arm again.
-                last = self._choice_step
-                in_flight = last[3] if last is not None and last[4] in (None, last[3]) else None
+                # The step that just ran is observed when the next starts: the
+                # chooser waits for it before measuring a long arm again.
+                in_flight = self._choice_step[3] if self._choice_step is not None else None
                 choice = self.chooser.choose(len(decoding_rows), mix, context, in_flight)
                 self._hold_left, self._hold_width = choice.hold, len(decoding_rows)
                 self._next_pipelined = choice.arm == PIPELINED

@@ -33,13 +33,13 @@ follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 (``benchmarks/probes/arm_rates_forced.py``: 5.5 against 4.7 ms at width 4,
 long prompts, T=0.8; the model forward itself is slower, and the excess
 fades over three steps), so plain steps measured between speculative ones
-made a pipeline that loses 10% to plain steps look 10% faster; and the
-first pipelined step after another arm's starts with an empty pipeline
-(60 against 42 ms at width 4, long prompts, greedy:
-``benchmarks/probes/auto_trace.py``). Arms are therefore measured in
-streaks, and a try lasts two steps (the first pays the switch). A step is
-observed when the next one starts, so a long arm's sampled step in flight
-is not followed by another before it is seen (one may show it losing).
+made a pipeline that loses 10% to plain steps look 10% faster. Short arms
+are therefore measured in streaks, and a short arm's try lasts two steps
+(the first pays the switch); a long step (:data:`LONG_STEP` times the
+shortest arm's) counts after a switch (a pipelined step after a plain one
+takes as long as one after a pipelined one: the same probe). A step is
+observed when the next one starts, so a long arm's step in flight is not
+followed by another before it is seen (one may show it losing).
 
 An arm with no steps at a key borrows the recent steps of an adjacent
 context bucket (same width bucket and mix) where it was measured; the arms
@@ -128,7 +128,7 @@ class _Key:
     since_retry: int = 0  # steps of the winning arm since a loser's last try
     retries: int = 0  # tries so far (they rotate over the losing arms)
     last_winner: str | None = None
-    trying: str | None = None  # an arm whose try has its second (sampled) step to come
+    trying: str | None = None  # a short arm whose try has its second (sampled) step to come
 
 
 @dataclass
@@ -161,8 +161,7 @@ class ScheduleChooser:
         """The arm of the next step of ``width`` decoding requests of
         sampling ``mix`` (see :func:`~.adaptive.sampling_mix`) and mean
         length ``context``; ``in_flight``: the arm of the step that ran
-        last if it is still to be observed as a sample (it followed a
-        step of its own arm)."""
+        last if it is still to be observed."""
         where = _where(width, mix, context)
         key = self._last_key = self._key(where)
         key.steps += 1
@@ -177,11 +176,11 @@ class ScheduleChooser:
             self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
             unmeasured = [arm for arm in unmeasured if not _measured(key, arm)]
         if unmeasured:
-            # A long arm's sampled step still in flight (observed at the
-            # next step's start) is not followed by another: it may be all
-            # it takes to see the arm lose, and a pipelined step of a
-            # 17-wide batch moves the batch's context by 17 tokens, so the
-            # next may be at a new key.
+            # A long arm's step still in flight (observed at the next
+            # step's start) is not followed by another: it may be all it
+            # takes to see the arm lose, and a pipelined step of a 17-wide
+            # batch moves the batch's context by 17 tokens, so the next may
+            # be at a new key.
             waiting = in_flight if in_flight in unmeasured and self._long(in_flight) else None
             open_arms = [arm for arm in unmeasured if arm != waiting]
             if not open_arms:
@@ -191,8 +190,9 @@ class ScheduleChooser:
             neighbour = self._neighbour_winner(where)
             if neighbour in open_arms and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
-            if self._last_arm in open_arms:
-                # A streak: the step after a switch is no sample.
+            if self._last_arm in open_arms and not self._long(self._last_arm):
+                # A streak: the step after a switch is no sample. Not of
+                # long steps, which count after a switch.
                 return ScheduleChoice(self._last_arm, "measure")
             # The policy first: its warm-up (before its cost model exists)
             # feeds no samples, and must run before its steps can count.
@@ -210,14 +210,15 @@ class ScheduleChooser:
         losers = [arm for arm in ARMS if arm != winner]
         loser = losers[key.retries % len(losers)]
         won, lost = key.arms[winner], key.arms[loser]
-        # A try is two steps: the first pays the switch (no sample).
-        cost = 2 * lost.step_seconds
+        # A short arm's try is two steps: the first pays the switch (no sample).
+        short = lost.step_seconds <= LONG_STEP * won.step_seconds
+        cost = (2 if short else 1) * lost.step_seconds
         if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / RETRY_TIME_SHARE:
             key.next_retry = key.steps + key.retry_interval
             key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
             key.since_retry = 0
             key.retries += 1
-            key.trying = loser
+            key.trying = loser if short else None
             return ScheduleChoice(loser, "retry")
         key.since_retry += 1
         if winner != PLAIN or not won.step_seconds:
@@ -247,12 +248,12 @@ class ScheduleChooser:
         if seconds <= 0:
             return
         self._last_seconds[arm] = seconds
-        if after is not None and after != arm:
-            # The step after a switch of arm pays for the switch (see the
-            # module docstring): no sample of its arm.
+        key = self._key(_where(width, mix, context))
+        if after is not None and after != arm and not self._long_step(key, arm, seconds):
+            # The step after a switch of arm is slower (see the module
+            # docstring); a long one carries that as a share of one short step.
             self.switch_steps += 1
             return
-        key = self._key(_where(width, mix, context))
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
@@ -270,6 +271,16 @@ class ScheduleChooser:
         if key is None:
             return {}
         return {arm: (r.rate, r.samples) for arm, r in key.arms.items()}
+
+    def _long_step(self, key: _Key, arm: str, seconds: float) -> bool:
+        """Whether a step of ``arm`` took :data:`LONG_STEP` times the
+        shortest step of another arm: at this key, else its last anywhere
+        (measured against the shortest, two long arms alternating count
+        each other's steps as samples)."""
+        others = [r.step_seconds for a, r in key.arms.items() if a != arm and r.samples]
+        if not others:
+            others = [s for a, s in self._last_seconds.items() if a != arm]
+        return bool(others) and seconds > LONG_STEP * min(others)
 
     def _long(self, arm: str) -> bool:
         """Whether ``arm``'s last step, anywhere, took :data:`LONG_STEP`
