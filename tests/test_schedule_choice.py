@@ -190,15 +190,15 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, MIN_SAMPLES)
 
 
-def test_an_arm_of_long_steps_is_measured_in_one_sampled_step():
-    """A pipelined step of a wide batch runs many ticks: one of them says as
-    much as four short steps, and costs as much as many."""
+def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
+    """A pipelined step of a wide batch runs many ticks: two of them say as
+    much as four short steps, and cost as much as many."""
     chooser = ScheduleChooser()
     seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.060}
     rates = {PLAIN: 1600.0, POLICY: 1500.0, PIPELINED: 1400.0}  # no clear loss
     made = _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, seconds)
     measured = [c for c in made if c.reason == "measure"]
-    assert sum(c.arm == PIPELINED for c in measured) == 1
+    assert sum(c.arm == PIPELINED for c in measured) == MIN_SAMPLES // 2
     assert made[-1].arm == PLAIN
 
 
@@ -299,7 +299,8 @@ def test_two_long_arms_alternating_are_measured_not_dropped_as_switch_steps():
     chooser.observe(1, GREEDY, PIPELINED, 17, 0.040, after=PIPELINED)  # long, elsewhere
     made = _run_as_the_engine(chooser, 4, GREEDY, lambda arm, previous: steps[arm], 100, context=600,
                               previous=POLICY)
-    assert sum(c.reason == "measure" for c in made) <= 2, [c.arm[:3] for c in made[:30]]
+    # Two pipelined steps (a long arm's half measure), the policy's between them.
+    assert sum(c.reason == "measure" for c in made) <= 4, [c.arm[:3] for c in made[:30]]
     assert made[-1] == ScheduleChoice(POLICY, "faster")
     assert abs(chooser.rates(4, GREEDY, 600)[PIPELINED][0] - 17 / 0.062) < 1.0
 

@@ -45,8 +45,8 @@ An arm with no steps at a key borrows the recent steps of an adjacent
 context bucket (same width bucket and mix) where it was measured; the arms
 still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first sample
-clearly lost, :data:`CLEAR_LOSS`, or an arm of long steps,
-:data:`LONG_STEP`, once). Then the chooser takes the arm
+clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
+:data:`LONG_STEP`, half as often). Then the chooser takes the arm
 with the best rate, a speculative arm having to beat the plain one by
 :data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
 the rates' noise), and tries each other arm in turn one step in an interval
@@ -77,8 +77,9 @@ MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
 # costs many plain steps) is left to the tries.
 CLEAR_LOSS = 0.7
 # An arm whose steps take more than this many times another arm's is
-# measured after one sampled step: a long step averages over many ticks,
-# and each costs as much as several short ones.
+# measured after half the steps: a long step averages over many ticks, and
+# each costs as much as several short ones (one is not enough: on this
+# shared machine a step now and then takes three times its usual time).
 LONG_STEP = 4
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 # A speculative arm must beat the plain one by this share.
@@ -88,7 +89,7 @@ SPECULATION_MARGIN = 0.03
 RETRY_BACKOFF = (8, 64)
 # And a losing arm's tries take at most this share of the time: a pipelined
 # step of a wide sampled batch costs as many as twenty plain steps.
-RETRY_TIME_SHARE = 0.01
+RETRY_TIME_SHARE = 0.03
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
 # token a step, and a verdict is kept no further than this from where it was made.
@@ -335,7 +336,7 @@ def _measured(key: _Key, arm: str) -> bool:
     others = [r for a, r in key.arms.items() if a != arm and r.samples >= MIN_SAMPLES // 2]
     if not rate.samples or not others:
         return False
-    if rate.step_seconds > LONG_STEP * min(r.step_seconds for r in others):
+    if rate.samples >= MIN_SAMPLES // 2 and rate.step_seconds > LONG_STEP * min(r.step_seconds for r in others):
         return True
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
