@@ -52,7 +52,10 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
-the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
+the try to cost at most :data:`RETRY_TIME_SHARE` of the time. A plain
+winner's verdict says how many steps no try can be due in
+(:attr:`ScheduleChoice.hold`): the engine runs them plain without asking,
+while its batch stays the same, and credits them (:meth:`credit_held`).
 
 A pure object, tested without an engine (``tests/test_schedule_choice.py``).
 """
