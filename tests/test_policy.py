@@ -7,7 +7,7 @@ import pytest
 from vllm_loopspec.speculative.adaptive import (EXPLORE_EVERY, GREEDY, SAMPLED, SKIP_LOW_ACCEPTANCE, SKIP_WIDTH_CAP,
                                                 AdaptiveController)
 from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_tokens, fit_linear,
-                                              rearm_width, shape_medians, width_cap)
+                                              later_rates, rearm_width, shape_medians, width_cap)
 
 # A CPU-like engine: a step costs mostly its fixed overhead; a draft tick a
 # fraction of it; rows are cheap until the batch is wide.
@@ -46,6 +46,31 @@ def test_decision_respects_each_request_limit_and_the_bound():
 def test_worthless_row_gets_no_drafts_beside_good_ones():
     d = decide([Candidate(HIGH, 8)] * 3 + [Candidate((0.01,) * 8, 8)], CPU_LIKE, 8)
     assert all(k > 0 for k in ks(d)[:3]) and ks(d)[3] == 0
+
+
+# Costs as this machine's fit at width 16 (d=2): a draft tick dear, a row
+# cheap beside it.
+WIDE = StepCosts(plain=(0.0055, 0.00055), spec=(0.0024, 0.0041, 0.00027, 0.0))
+
+
+def test_a_row_that_would_be_left_behind_keeps_its_drafts():
+    """Trimmed at the step's rate, three mediocre rows among thirteen good
+    ones would decode one token a step while the others commit several, and
+    finish alone in narrow plain steps; priced at that later rate they draft.
+    Rows that finish first anyway are trimmed as before."""
+    batch = [Candidate((0.97,) * 8, 8)] * 13 + [Candidate((0.6,) * 8, 8)] * 3
+    myopic = decide(batch, WIDE, 8)
+    assert all(ks(myopic)[:13]) and ks(myopic)[13:] == [0, 0, 0]
+    behind = later_rates(batch, [160] * 16, WIDE)
+    assert np.allclose(behind, 1 / WIDE.plain_step(1))
+    assert all(ks(decide(batch, WIDE, 8, later_rates=behind)))
+    ahead = later_rates(batch, [160] * 13 + [10] * 3, WIDE)
+    assert np.isinf(ahead[13:]).all() and np.isfinite(ahead[:13]).all()
+    assert ks(decide(batch, WIDE, 8, later_rates=ahead)) == ks(myopic)
+
+
+def test_later_rates_of_a_lone_request_leave_the_step_rate():
+    assert np.isinf(later_rates([Candidate(HIGH, 8)], [100], WIDE)).all()
 
 
 def test_zero_acceptance_batch_decodes_plainly():
@@ -87,15 +112,17 @@ def test_fit_never_returns_negative_costs():
 
 # -- the controller, fed a synthetic engine ---------------------------------------
 
-def drive(controller, requests, costs, acceptance, steps, rng, observe=None, accepted=None, gap=0.0):
+def drive(controller, requests, costs, acceptance, steps, rng, observe=None, accepted=None, gap=0.0,
+          remaining=None):
     """Run ``steps`` engine steps: the controller decides, the synthetic
     engine reports the step's cost and each round's accepted drafts (drawn
     with ``acceptance[req_id]``, or ``accepted(req_id, k)``); ``observe``
-    adds keywords to each step's report. Returns (drafts, skipped, reason)
-    per step."""
+    adds keywords to each step's report; ``remaining``: each request's
+    tokens still to commit, given to the controller (and not counted down:
+    the batch stays as it is). Returns (drafts, skipped, reason) per step."""
     history = []
     for _ in range(steps):
-        drafts, skipped = controller.plan(requests)
+        drafts, skipped = controller.plan(requests, remaining=remaining)
         ticks = max(drafts, default=0)
         tokens = len(requests) + sum(drafts)
         seconds = (costs.plain_step(tokens) if ticks == 0
@@ -177,6 +204,42 @@ def test_low_acceptance_request_is_paused_then_reprobed():
     assert 0 < sum(k > 0 for k in bad) < 15  # re-probes only, with one draft
     assert all(k in (0, 1) for k in bad)
     assert sum(s.get(SKIP_LOW_ACCEPTANCE, 0) for _, s, _ in history[-150:]) > 100
+
+
+def test_requests_that_would_trail_the_batch_draft_and_are_not_paused():
+    """Three mediocre requests among thirteen good ones, all with the same
+    tokens to go: told what remains, the controller keeps their drafts (left
+    plain they would finish alone, long after the others) instead of pausing
+    them as it does without it."""
+    requests = [(f"g{i}", False, 8) for i in range(13)] + [(f"m{i}", False, 8) for i in range(3)]
+    acceptance = {r: 0.97 for r, _, _ in requests[:13]} | {r: 0.6 for r, _, _ in requests[13:]}
+    told = drive(AdaptiveController(max_k=8, start_k=4), requests, WIDE, acceptance, 300,
+                 np.random.default_rng(5), remaining=[160] * 16)
+    blind = drive(AdaptiveController(max_k=8, start_k=4), requests, WIDE, acceptance, 300,
+                  np.random.default_rng(5))
+
+    def mediocre_drafting(history):
+        return sum(all(d[13:]) for d, _, _ in history[-150:] if any(d[:13]))
+
+    def paused(history):
+        return sum(s.get(SKIP_LOW_ACCEPTANCE, 0) for _, s, _ in history[-150:])
+
+    assert mediocre_drafting(told) > 120 and paused(told) < 30
+    assert mediocre_drafting(blind) < 30 and paused(blind) > 200
+
+
+def test_a_pause_after_drafting_again_starts_short():
+    """A request paused, re-probed and drafting on its own merits again
+    starts its next pause at the first back-off, not a doubled one."""
+    from vllm_loopspec.speculative.adaptive import PROBE_BACKOFF
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    state = c._request("a", False)
+    c._pause(state)
+    c._pause(state)
+    assert state.backoff == 4 * PROBE_BACKOFF[0]
+    drive(c, [("a", False, 8), ("b", False, 8)], CPU_LIKE, {"a": 0.95, "b": 0.95}, 120, np.random.default_rng(6))
+    assert state.backoff == PROBE_BACKOFF[0]
 
 
 def test_pinned_start_k_is_used_until_costs_are_fitted():

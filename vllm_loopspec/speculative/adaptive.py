@@ -68,8 +68,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_rate, fit_linear, rearm_width,
-                                              shape_medians)
+from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_rate, fit_linear, later_rates,
+                                              rearm_width, shape_medians)
 
 ACCEPTANCE_PRIOR = 0.5  # engine-wide start, replaced by measurement within a few rounds
 # Weight of the newest observation: a running mean over the first 1/w
@@ -379,10 +379,12 @@ class AdaptiveController:
 
     # -- decision -----------------------------------------------------------------
     def plan(self, requests: list[tuple[str, bool, int]], other_tokens: int = 0,
-             context: int = 0) -> tuple[list[int], dict[str, int]]:
+             context: int = 0, remaining: list[int] | None = None) -> tuple[list[int], dict[str, int]]:
         """``K_i`` for ``(req_id, sampled, max_drafts)`` of the next step, and
         request-steps without drafts counted by reason. ``context``: the
-        lengths of the step's rows, summed."""
+        lengths of the step's rows, summed; ``remaining``: per request, the
+        tokens it may still commit (its drafts are then priced against the
+        batch it would finish in if left behind: :func:`~.policy.later_rates`)."""
         width = len(requests)
         mix = sampling_mix([sampled for _, sampled, _ in requests])
         if self.holds_plain(width, mix):
@@ -421,7 +423,10 @@ class AdaptiveController:
             candidates.append(Candidate(_calibrated(state.acceptance, calibration[sampled]), 0 if paused else limit))
         factors, rounds_measured = self._factors(key)
         unproven = any(self._engine_acceptance[sampled].seen[0] < ACCEPTANCE_EVIDENCE for _, sampled, _ in requests)
-        decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN)
+        later = (None if remaining is None or width < 2
+                 else later_rates(candidates, remaining, self.costs, context, float(factors[0])))
+        decision = decide(candidates, self.costs, self.max_k, other_tokens, context, factors, SPECULATION_MARGIN,
+                          later_rates=later)
         drafts = list(decision.drafts)
         reason = "policy"
         if decision.plain and (self.plain_streak < DISARM_AFTER or self.plain_streak % EXPLORE_EVERY == 0):
@@ -487,6 +492,8 @@ class AdaptiveController:
                 drafts[i] = max(drafts[i], min(1, limit))  # re-probe a paused request: one draft at least
                 state.paused_until = -1
                 state.probing = True
+            elif drafts[i] and not state.probing:
+                state.backoff = PROBE_BACKOFF[0]  # drafting on its own merits again: a new pause starts short
             elif state.paused_until > self.step:
                 skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
             elif drafts[i] == 0 and limit > 0 and any(drafts):

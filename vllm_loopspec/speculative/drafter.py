@@ -280,13 +280,25 @@ class LoopSpecDrafter:
         decoding = [row for row, k in enumerate(limits) if k is not None]
         requests = [(batch.req_ids[row], bool(s), limits[row]) for row, s in zip(decoding, sampled)]
         context = int(batch.num_tokens_no_spec[: len(limits)].sum())
-        drafts, skipped = self.controller.plan(requests, context=context)
+        remaining = [self._remaining(req_id) for req_id, _, _ in requests] if len(requests) > 1 else None
+        drafts, skipped = self.controller.plan(requests, context=context, remaining=remaining)
         self.stats.skipped.update(skipped)
         self.controller.forget(batch.req_ids)
         out = list(limits)
         for row, k in zip(decoding, drafts):
             out[row] = k
         return out
+
+    def _remaining(self, req_id: str) -> int:
+        """Tokens request ``req_id`` may still commit (its ``max_tokens``,
+        else the context limit; a stop string or EOS may end it sooner)."""
+        state = self.runner.requests[req_id]
+        max_len = self.runner.model_config.max_model_len
+        room_context = max_len - len(state.prompt_token_ids or ()) - len(state.output_token_ids)
+        params = state.sampling_params
+        if params is None or not params.max_tokens:
+            return max(room_context, 1)
+        return max(min(params.max_tokens - len(state.output_token_ids), room_context), 1)
 
     # -- per-request K ---------------------------------------------------------
     def num_drafts(self, row: int, req_id: str, max_len: int, num_tokens: int | None = None) -> int:

@@ -80,15 +80,19 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_tokens: int = 0,
-           context: int = 0, factors: Sequence[float] | None = None, margin: float = 0.0) -> Decision:
+           context: int = 0, factors: Sequence[float] | None = None, margin: float = 0.0,
+           later_rates: Sequence[float] | None = None) -> Decision:
     """``K_i`` per candidate for the next step. ``other_tokens``: scheduled
     tokens that commit nothing this step (prefill chunks); ``context``: the
     step's rows' lengths, summed; ``factors[k]``: measured over predicted
     time of steps with ``k`` draft ticks (0: plain), which scales the
     prediction; ``margin``: how much faster (a share) a round must be
     expected to be than the plain step to be chosen, a hedge against the
-    estimates' error where the two are close. Every number of draft ticks
-    ``1..max_k`` is evaluated at once (one row per choice)."""
+    estimates' error where the two are close; ``later_rates[i]``: tokens
+    per second at which the tokens request i does not commit now would be
+    committed later (see :func:`later_rates`; default: the step's own
+    rate). Every number of draft ticks ``1..max_k`` is evaluated at once
+    (one row per choice)."""
     n = len(candidates)
     factors = np.ones(max_k + 1) if factors is None else np.asarray(factors, dtype=np.float64)
     plain_rate = n / max(costs.plain_step(n + other_tokens, context) * factors[0], 1e-9)
@@ -99,7 +103,8 @@ def decide(candidates: Sequence[Candidate], costs: StepCosts, max_k: int, other_
     gains = np.concatenate([np.zeros((n, 1)), np.cumsum(reach, axis=1)], axis=1)  # gains[i, k]
     limits = np.array([min(max(c.max_drafts, 0), max_k) for c in candidates], dtype=np.int64)
     drafts = np.minimum(limits[None, :], np.arange(1, max_k + 1)[:, None])  # [choice, request]
-    drafts = _trim(drafts, reach, gains, costs, other_tokens, context, factors)
+    later = None if later_rates is None else np.asarray(later_rates, dtype=np.float64)
+    drafts = _trim(drafts, reach, gains, costs, other_tokens, context, factors, later)
     rates = _rates(drafts, gains, costs, other_tokens, context, factors)
     best = int(np.argmax(rates))
     if rates[best] <= plain_rate * (1.0 + margin) or not drafts[best].any():
@@ -123,6 +128,46 @@ def width_cap(costs: StepCosts, acceptance: Sequence[float], max_k: int, max_wid
         best_spec = np.maximum(best_spec, widths * (1.0 + reach[:k].sum()) / np.maximum(seconds, 1e-9))
     losing = np.nonzero(best_spec <= plain)[0]
     return int(widths[losing[0]]) if len(losing) else None
+
+
+def later_rates(candidates: Sequence[Candidate], remaining: Sequence[int], costs: StepCosts,
+                context: int = 0, plain_factor: float = 1.0) -> np.ndarray:
+    """Per request: tokens per second at which the tokens it does not commit
+    in this step would be committed later, for :func:`decide` to price its
+    drafts against (``inf``: the step's own rate).
+
+    A request left without drafts while the others draft falls behind them.
+    If it would then finish after all of them (its ``remaining`` tokens, one
+    a step, outlast every other's remaining over the tokens a round at its
+    limit commits), the tokens it did not commit are decoded at the end, in
+    plain steps of one row (a straggler: once 13 of 16 greedy requests
+    drafting 8 tokens a round are done, the 3 left behind run narrow plain
+    steps for a hundred more). Its drafts are then priced against that
+    rate, not the step's. A request that finishes before another anyway
+    commits its deferred tokens in steps that run regardless, and keeps the
+    step's rate. ``context``: the step's rows' lengths, summed.
+
+    Only the current batch is counted: requests still to arrive would keep
+    the batch wide, so under a queue of arrivals this drafts more for rows
+    that lag than the step's rate alone would."""
+    n = len(candidates)
+    later = np.full(n, np.inf)
+    if n < 2:
+        return later
+    max_k = max(max((c.max_drafts for c in candidates), default=0), 1)
+    reach = _reach_matrix(candidates, max_k)
+    limits = np.array([min(max(c.max_drafts, 0), max_k) for c in candidates], dtype=np.int64)
+    gains = np.concatenate([np.zeros((n, 1)), np.cumsum(reach, axis=1)], axis=1)
+    remaining = np.maximum(np.asarray(remaining, dtype=np.float64), 1.0)
+    drafting_steps = remaining / (1.0 + gains[np.arange(n), limits])
+    # The latest other finish, per request: the largest drafting_steps but
+    # its own (the second largest for the request holding the largest).
+    order = np.argsort(drafting_steps)
+    latest_other = np.full(n, drafting_steps[order[-1]])
+    latest_other[order[-1]] = drafting_steps[order[-2]]
+    one_row = (costs.plain[0] + costs.plain[1] + costs.context[0] * context / n) * plain_factor
+    later[remaining > latest_other] = 1.0 / max(one_row, 1e-9)
+    return later
 
 
 def rearm_width(cap: int) -> int:
@@ -174,8 +219,11 @@ def _rates(drafts: np.ndarray, gains: np.ndarray, costs: StepCosts, other_tokens
 
 
 def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepCosts,
-          other_tokens: int, context: int = 0, factors: np.ndarray | None = None) -> np.ndarray:
-    """Drop drafts that cost more than they bring at the step's rate: a tail
+          other_tokens: int, context: int = 0, factors: np.ndarray | None = None,
+          later: np.ndarray | None = None) -> np.ndarray:
+    """Drop drafts that cost more than they bring at the step's rate (or, for
+    a row with a ``later`` rate below it, at that rate: what its tokens
+    would cost if left for later): a tail
     draft worth ``reach`` tokens costs its verification ``t_s``; a row's
     whole share costs ``c_r`` per draft tick (every drafting row runs every
     tick) plus ``t_s`` per draft. Repeated until stable (dropping drafts
@@ -185,6 +233,8 @@ def _trim(drafts: np.ndarray, reach: np.ndarray, gains: np.ndarray, costs: StepC
     rows = np.arange(drafts.shape[1])[None, :]
     for _ in range(3):
         rate = _rates(drafts, gains, costs, other_tokens, context, factors)[:, None]
+        if later is not None:
+            rate = np.minimum(rate, later[None, :])  # [choice, request]
         scale = 1.0 if factors is None else factors[drafts.max(axis=1)][:, None]
         worth = (reach[None, :, :] >= (rate * scale * per_token)[:, :, None]).sum(axis=2)
         kept = np.minimum(drafts, worth)
