@@ -238,7 +238,7 @@ def test_async_rounds_draft_what_the_policy_chose_not_what_was_scheduled(async_l
     the policy is pinned to 2) and stay exact."""
     llm = async_llms(4, adaptive=True, schedule="round")
     controller = model_runner(llm).drafter.controller
-    monkeypatch.setattr(controller, "plan", lambda requests, other_tokens=0, context=0: (
+    monkeypatch.setattr(controller, "plan", lambda requests, other_tokens=0, context=0, remaining=None: (
         [min(2, limit) for _, _, limit in requests], {}))
     trace: list[dict] = []
     with drafter_hooks(llm, trace=trace):

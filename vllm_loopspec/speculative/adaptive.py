@@ -35,7 +35,10 @@
   their estimates meanwhile).
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
-  that doubles each time the probe fails.
+  that doubles with each pause and starts again once the request drafts on
+  its own merits. A request that would be left behind (told its remaining
+  tokens, :func:`~.policy.later_rates`) is not trimmed for the step's rate:
+  it would finish alone, in one-row plain steps.
 * **Measured correction** (the guard): the fit predicts; measurement
   checks it where the engine runs. For decode-only steps the controller
   keeps, per batch-width bucket (powers of two), sampling mix (all greedy,
