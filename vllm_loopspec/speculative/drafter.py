@@ -31,7 +31,7 @@ import torch
 from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
-                                                 SampledDecider, run_pipelined)
+                                                 SampledDecider, flat_tokens, run_pipelined)
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
@@ -523,14 +523,26 @@ class LoopSpecDrafter:
         runner = self.runner
         flat = output.drafts.reshape(-1)[plan.draft_gather]
         spec_metadata.draft_token_ids.copy_(flat.to(spec_metadata.draft_token_ids.dtype))
-        meta = runner.input_batch.sampling_metadata
-        if meta.spec_token_ids is not None and (meta.bad_words_token_ids or not meta.no_penalties):
+        if self._drafts_read_by_sampling():
             per_row = output.drafts.T.tolist()
-            for s, row in enumerate(plan.layout.spec_rows):
-                meta.spec_token_ids[row][:] = per_row[s][: int(plan.layout.num_drafts[row])]
+            self._set_spec_token_ids(plan.layout, lambda s, k: per_row[s][:k])
         if chooser.q is not None:
             runner._draft_probs = chooser.q
             runner._draft_prob_req_ids = [runner.input_batch.req_ids[r] for r in plan.layout.spec_rows]
+
+    def _drafts_read_by_sampling(self) -> bool:
+        """Whether penalties or bad words will read the step's drafts from
+        the sampling metadata's ``spec_token_ids`` (only then are they
+        copied to the host)."""
+        meta = self.runner.input_batch.sampling_metadata
+        return meta.spec_token_ids is not None and bool(meta.bad_words_token_ids or not meta.no_penalties)
+
+    def _set_spec_token_ids(self, layout: StepLayout, drafts_of) -> None:
+        """``spec_token_ids`` of each speculating row: ``drafts_of(s, k)``,
+        the ``k`` drafts of the ``s``-th speculating row."""
+        meta = self.runner.input_batch.sampling_metadata
+        for s, row in enumerate(layout.spec_rows):
+            meta.spec_token_ids[row][:] = drafts_of(s, int(layout.num_drafts[row]))
 
     # -- the pipelined step (RFC §7) -------------------------------------------
     def run_pipelined_step(self, layout: StepLayout, input_ids, positions, spec_metadata, common) -> torch.Tensor:
@@ -541,45 +553,54 @@ class LoopSpecDrafter:
         runner = self.runner
         attn_group, device, slot_mapping = runner.attn_groups[0][0], runner.device, common.slot_mapping
 
+        def group_attention(entries: list[Entry], loops: np.ndarray | None = None) -> TickAttention:
+            """Metadata over ``entries``' tokens: at one loop (every loop's KV
+            plane has the same blocks and slots), or, with ``loops`` (one per
+            entry), each row's blocks and slots shifted to its loop's plane
+            in the stacked views."""
+            flat = flat_tokens(entries)
+            rows = np.array([e.row for e in entries], np.int64)
+            counts = np.array([e.count for e in entries], np.int32)
+            if loops is None:
+                block_table, slots = None, slot_mapping[torch.from_numpy(flat).to(device)]
+            else:
+                block_table = plane_tables[torch.from_numpy(loops).to(device), torch.from_numpy(rows).to(device)]
+                slots = plane_slots[torch.from_numpy(np.repeat(loops, counts)).to(device),
+                                    torch.from_numpy(flat).to(device)]
+            return tick_attention(common, attn_group, device, counts, np.array([e.seq_len for e in entries], np.int64),
+                                  rows, slots, block_table=block_table)
+
+        # Built once per step for each set of tokens (e.g. slot j of every
+        # row at each of its loops); at c1 nearly every pass is a new set.
         built: dict[tuple[Entry, ...], TickAttention] = {}
 
         def attention(entries: list[Entry]) -> TickAttention:
-            """A group's metadata depends on its tokens, not on its loop (every
-            loop's KV plane has the same blocks and slots): built once per step
-            for each set of tokens, e.g. slot j of every row at each of its loops."""
             key = tuple(entries)
             if key not in built:
-                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
-                built[key] = tick_attention(common, attn_group, device,
-                                            np.array([e.count for e in entries], np.int32),
-                                            np.array([e.seq_len for e in entries], np.int64),
-                                            np.array([e.row for e in entries], np.int64),
-                                            slot_mapping[torch.from_numpy(flat).to(device)])
+                built[key] = group_attention(entries)
             return built[key]
 
         from vllm_loopspec.models.ouro import MergedAttention
 
         planes = self.stacked_planes()
         merged_built: dict[tuple, MergedAttention] = {}
+        if planes is not None:
+            # Every loop's block tables and slots shifted to its plane once
+            # per step ([loop, row, block] and [loop, token]): a pass then
+            # gathers its rows' with one index each.
+            offsets = torch.tensor(planes.block_offset, dtype=torch.int64)
+            plane_tables = (common.block_table_tensor.unsqueeze(0)
+                            + offsets.to(device, common.block_table_tensor.dtype)[:, None, None])
+            plane_slots = (slot_mapping.unsqueeze(0)
+                           + (offsets * planes.block_size).to(device, slot_mapping.dtype)[:, None])
 
         def merge(groups: list[tuple[int, list[Entry]]]) -> MergedAttention:
-            """Every group of a pass under one metadata: each row's blocks and
-            slots shifted to its loop's plane in the stacked views."""
+            """Every group of a pass under one metadata (one attention call per layer)."""
             key = tuple((loop, tuple(entries)) for loop, entries in groups)
             if key not in merged_built:
-                entries = [e for _, group in groups for e in group]
-                offsets = np.array([planes.block_offset[loop] for loop, group in groups for _ in group], np.int64)
-                flat = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
-                token_offsets = np.repeat(offsets, [e.count for e in entries])
-                rows = np.array([e.row for e in entries], np.int64)
-                block_table = (common.block_table_tensor[torch.from_numpy(rows).to(device)]
-                               + torch.from_numpy(offsets).to(device, common.block_table_tensor.dtype)[:, None])
-                slots = (slot_mapping[torch.from_numpy(flat).to(device)]
-                         + torch.from_numpy(token_offsets * planes.block_size).to(device, slot_mapping.dtype))
-                tick = tick_attention(common, attn_group, device, np.array([e.count for e in entries], np.int32),
-                                      np.array([e.seq_len for e in entries], np.int64), rows, slots,
-                                      block_table=block_table)
-                merged_built[key] = MergedAttention(tick.metadata, slots, planes.caches)
+                loops = np.array([loop for loop, group in groups for _ in group], np.int64)
+                tick = group_attention([e for _, group in groups for e in group], loops)
+                merged_built[key] = MergedAttention(tick.metadata, tick.slot_mapping, planes.caches)
             return merged_built[key]
 
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
@@ -684,13 +705,9 @@ class LoopSpecDrafter:
         bad words, the sampling metadata's ``spec_token_ids``); counts."""
         drafts = torch.tensor(output.drafts, dtype=spec_metadata.draft_token_ids.dtype)
         spec_metadata.draft_token_ids.copy_(drafts.to(spec_metadata.draft_token_ids.device))
-        meta = self.runner.input_batch.sampling_metadata
-        if meta.spec_token_ids is not None and (meta.bad_words_token_ids or not meta.no_penalties):
-            offset = 0
-            for row in layout.spec_rows:
-                k = int(layout.num_drafts[row])
-                meta.spec_token_ids[row][:] = output.drafts[offset: offset + k]
-                offset += k
+        if self._drafts_read_by_sampling():
+            ends = np.cumsum(layout.num_drafts[layout.spec_rows])
+            self._set_spec_token_ids(layout, lambda s, k: output.drafts[ends[s] - k: ends[s]])
         # vLLM will see every draft accepted (the chain is verified): the
         # engine's acceptance counts first proposals that survived instead.
         self._last_num_drafts = None
