@@ -70,6 +70,11 @@ class Entry:
     seq_len: int
 
 
+def flat_tokens(entries: Sequence[Entry]) -> np.ndarray:
+    """The flat indices of ``entries``' tokens, in order."""
+    return np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+
+
 @dataclass
 class PipelineCounts:
     """What one step's pipeline did (for the metrics and the benchmarks)."""
@@ -243,23 +248,19 @@ class PipelineModel(Protocol):
 
 
 class Decider(Protocol):
-    """Proposes and verifies tokens from logits (greedy or sampled)."""
+    """Proposes, refines and verifies tokens from logits (greedy or sampled)."""
 
-    def propose(self, logits: torch.Tensor, slots: list[tuple[int, int]]) -> list[int]: ...
-
-    def refine(self, logits: torch.Tensor, slots: list[tuple[int, int]], proposals: list[int]) -> list[int]: ...
-
-    def verify(self, logits: torch.Tensor, slots: list[tuple[int, int]], proposals: list[int]) -> list[int]: ...
+    def decide(self, logits: torch.Tensor, propose: list[tuple[int, int]], refine: list[tuple[int, int]],
+               verify: list[tuple[int, int]], proposals: list[int]) -> list[int]:
+        """One tick's decisions, one call (one argmax, one processing of the
+        distributions): ``logits`` of the slots ``propose + refine +
+        verify`` in that order; ``proposals``: the current successor of
+        each ``refine + verify`` slot. Returns a token per slot, in order:
+        the proposed successor, the refined one, the verified one."""
 
 
 class GreedyDecider:
-    def propose(self, logits, slots):
-        return logits.argmax(dim=-1).tolist()
-
-    def refine(self, logits, slots, proposals):
-        return logits.argmax(dim=-1).tolist()
-
-    def verify(self, logits, slots, proposals):
+    def decide(self, logits, propose, refine, verify, proposals):
         return logits.argmax(dim=-1).tolist()
 
 
@@ -270,7 +271,9 @@ class SampledDecider:
     speculative sampling step, so the decided token follows ``p``). Greedy
     rows take argmaxes. ``process(logits, rows)`` turns logits into the
     distribution vLLM's rejection sampler would (temperature, top-k,
-    top-p); ``generators``: per row, a seeded request's generator.
+    top-p); ``generators``: per row, a seeded request's generator (each
+    tick it draws two uniforms per slot of its row, in slot order;
+    unseeded rows draw from the global generator).
 
     :attr:`target` keeps, per ``(row, slot)``, the distribution ``p`` the
     slot's successor was decided from: the draft distribution vLLM's
@@ -285,63 +288,62 @@ class SampledDecider:
         self.proposal_q: dict[tuple[int, int], torch.Tensor] = {}
         self.target: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _uniform(self, row: int, shape, device) -> torch.Tensor:
-        out = torch.empty(shape, device=device)
-        return out.uniform_(generator=self.generators[row]) if row in self.generators else out.uniform_()
+    def _uniforms(self, rows: list[int], device) -> torch.Tensor:
+        """Two float64 uniforms per slot (``rows``: each slot's row, a row's
+        slots adjacent): a seeded row's from its generator, in one call."""
+        out = torch.empty((len(rows), 2), dtype=torch.float64, device=device)
+        if any(r not in self.generators for r in rows):
+            out.uniform_()
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[start]:
+                end += 1
+            if rows[start] in self.generators:
+                out[start:end].uniform_(generator=self.generators[rows[start]])
+            start = end
+        return out
 
-    def _draw(self, probs: torch.Tensor, row: int) -> int:
-        # The exponential race (as DraftChooser): argmax p_i / E_i, E_i ~ Exp(1).
-        noise = self._uniform(row, probs.shape, probs.device).clamp_min_(1e-30).log_().neg_()
-        return int((probs / noise).argmax())
-
-    def _distributions(self, logits, slots) -> tuple[list[int], torch.Tensor | None]:
-        """The argmax of every slot's logits and, when a slot samples, the
-        processed distributions of all of them."""
-        greedy = logits.argmax(dim=-1).tolist()
-        rows = [r for r, _ in slots]
-        return greedy, (self.process(logits, rows) if any(self.sampled[r] for r in rows) else None)
-
-    def propose(self, logits, slots):
-        greedy, q = self._distributions(logits, slots)
-        out = []
-        for i, (r, j) in enumerate(slots):
-            if q is not None and self.sampled[r]:
-                self.proposal_q[(r, j)] = q[i]
-                out.append(self._draw(q[i], r))
+    def decide(self, logits, propose, refine, verify, proposals):
+        slots = propose + refine + verify
+        sampled = [i for i, (r, _) in enumerate(slots) if self.sampled[r]]
+        out = logits.argmax(dim=-1).tolist() if len(sampled) < len(slots) else [0] * len(slots)
+        if not sampled:
+            return out
+        sampled.sort(key=lambda i: slots[i][0])  # a row's slots adjacent (stable: in slot order)
+        rows = [slots[i][0] for i in sampled]
+        p = self.process(logits[sampled], rows)
+        n_propose, n_refined = len(propose), len(propose) + len(refine)
+        # A proposal draws from its processed distribution; a refinement or
+        # verification keeps its successor's proposal c ~ q with
+        # min(1, p(c)/q(c)), else draws from norm(max(p - q, 0)). With q = 0
+        # for proposals, one set of tensor ops does both: their residual is
+        # p itself and nothing is kept. Each draw inverts the residual's CDF
+        # (float64) at the slot's first uniform; the acceptance test uses
+        # its second, independent of the draw, so the decided token follows
+        # p. (The CDF costs a third of the exponential race's noise, which
+        # needs a uniform and a log per vocabulary entry.)
+        stepped = any(i >= n_propose for i in sampled)
+        weights = p
+        if stepped:
+            zero = p.new_zeros(p.shape[-1])
+            q = torch.stack([self.proposal_q.pop(slots[i]) if i >= n_propose else zero for i in sampled])
+            weights = (p - q).clamp_min_(0.0)
+        uniform = self._uniforms(rows, p.device)
+        cdf = weights.double().cumsum_(dim=-1)
+        draws = torch.searchsorted(cdf, uniform[:, :1] * cdf[:, -1:], right=True)[:, 0].clamp_max_(p.shape[-1] - 1)
+        if stepped:
+            c = torch.tensor([proposals[i - n_propose] if i >= n_propose else 0 for i in sampled],
+                             device=p.device)[:, None]
+            qc, pc = q.gather(1, c)[:, 0], p.gather(1, c)[:, 0]
+            draws = torch.where((qc > 0) & (uniform[:, 1] * qc < pc), c[:, 0], draws)
+        for k, (i, token) in enumerate(zip(sampled, draws.tolist())):
+            out[i] = token
+            if i < n_refined:  # a proposal, or a refined successor (now a draw from p): verification uses p
+                self.proposal_q[slots[i]] = p[k]
             else:
-                out.append(greedy[i])
+                self.target[slots[i]] = p[k]
         return out
-
-    def _step(self, logits, slots, proposals, keep_target: bool) -> list[int]:
-        """One speculative-sampling step per slot: its successor's proposal
-        ``c ~ q`` against the distribution of ``logits``: ``c`` kept with
-        ``min(1, p/q)``, else a draw from ``norm(max(p - q, 0))``; either way
-        the result is a draw from ``p``."""
-        greedy, p = self._distributions(logits, slots)
-        out = []
-        for i, ((r, j), c) in enumerate(zip(slots, proposals)):
-            if p is None or not self.sampled[r]:
-                out.append(greedy[i])
-                continue
-            q = self.proposal_q.pop((r, j))
-            if keep_target:
-                self.target[(r, j)] = p[i]
-            else:  # the successor is now a draw from p: verification uses it
-                self.proposal_q[(r, j)] = p[i]
-            u = float(self._uniform(r, (1,), p.device))
-            if float(q[c]) > 0 and u * float(q[c]) < float(p[i, c]):
-                out.append(c)
-                continue
-            residual = (p[i] - q).clamp_min_(0.0)
-            total = float(residual.sum())
-            out.append(self._draw(residual / total if total > 0 else p[i], r))
-        return out
-
-    def refine(self, logits, slots, proposals):
-        return self._step(logits, slots, proposals, keep_target=False)
-
-    def verify(self, logits, slots, proposals):
-        return self._step(logits, slots, proposals, keep_target=True)
 
 
 @dataclass
@@ -377,7 +379,7 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                 key = tuple(entries)
                 flat = flat_of.get(key)
                 if flat is None:
-                    flat = flat_of[key] = np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+                    flat = flat_of[key] = flat_tokens(entries)
                 index.append(flat)
                 spans.append((loop, start, start + len(flat), None if merged is not None else attention(entries)))
                 start += len(flat)
@@ -401,19 +403,17 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
             continue
         logits = model.logits(states[torch.tensor([schedule.flat(r, j) for r, j in slots],
                                                   device=states.device)])
-        for (r, j), token in zip(propose, decide.propose(logits[: len(propose)], propose) if propose else ()):
+        proposals = [schedule.token[r][j] for r, j in refine + verify]
+        decided = decide.decide(logits, propose, refine, verify, proposals)
+        for (r, j), token in zip(propose, decided):
             if override is not None:
                 token = override(r, j + 1, token)
             schedule.proposed(r, j, token)
             token_ids[schedule.flat(r, j + 1)] = token
-        for kind, group, offset in (("refine", refine, len(propose)), ("verify", verify, len(propose) + len(refine))):
-            if not group:
-                continue
-            proposals = [schedule.token[r][j] for r, j in group]
-            decided = getattr(decide, kind)(logits[offset: offset + len(group)], group, proposals)
-            keep = schedule.refined if kind == "refine" else schedule.verified
-            for (r, j), token in zip(group, decided):
-                if not keep(r, j, token):
-                    token_ids[schedule.flat(r, j + 1)] = token
+        for (r, j), token, refining in zip(refine + verify, decided[len(propose):],
+                                           [True] * len(refine) + [False] * len(verify)):
+            keep = schedule.refined if refining else schedule.verified
+            if not keep(r, j, token):
+                token_ids[schedule.flat(r, j + 1)] = token
     drafts = schedule.drafts()
     return PipelineOutput(hidden_states=states, drafts=drafts, counts=schedule.counts)
