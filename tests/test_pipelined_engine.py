@@ -172,6 +172,57 @@ def test_every_proposal_wrong_still_commits_the_targets():
     assert schedule.counts.first_accepted == [0] * k
 
 
+# -- the sampled decider, without an engine -------------------------------------
+
+def _probabilities(*values):
+    t = torch.tensor(values, dtype=torch.float32)
+    return t / t.sum()
+
+
+# A shallow q1, a deeper q2 and the target p over 6 tokens, far apart (token
+# 5 impossible under q1, token 0 under p: the residual and zero-mass paths run).
+Q1, Q2, P = (_probabilities(5, 3, 1, 1, 2, 0), _probabilities(1, 4, 2, 1, 1, 1), _probabilities(0, 1, 2, 3, 1, 5))
+DECIDER_DRAWS = 6000
+
+
+def _decide_chain(second: bool, seed: int | None):
+    """One slot's life in a decider: proposed from ``Q1``, refined against
+    ``Q2`` if ``second``, verified against ``P``; the logits are the logs
+    (``process`` is a softmax). Returns (first proposal, refined, decided)."""
+    from vllm_loopspec.speculative.pipeline import SampledDecider
+
+    generators = {} if seed is None else {0: torch.Generator().manual_seed(seed)}
+    decider = SampledDecider(lambda logits, rows: logits.softmax(dim=-1), {0: True, 1: False}, generators)
+    # Row 1 is greedy and rides along in every call: it takes the argmax.
+    greedy = torch.tensor([0.0, 0, 9, 0, 0, 0])
+    first, greedy_first = decider.decide(torch.stack([Q1.log(), greedy]), [(0, 0), (1, 0)], [], [], [])
+    refined = first
+    if second:
+        (refined,) = decider.decide(Q2.log()[None], [], [(0, 0)], [], [first])
+    decided, greedy_decided = decider.decide(torch.stack([P.log(), greedy]), [], [], [(0, 0), (1, 0)],
+                                             [refined, greedy_first])
+    assert greedy_first == greedy_decided == 2
+    assert torch.allclose(decider.target[(0, 0)], P) and not decider.proposal_q
+    return first, refined, decided
+
+
+@pytest.mark.parametrize("second", [False, True], ids=["first_only", "second_proposal"])
+def test_the_sampled_decider_decides_tokens_that_follow_the_target(second):
+    """Proposals follow q1, refined successors q2 and decided ones p
+    (chi-square), and a seeded row replays exactly."""
+    from collections import Counter
+
+    from test_loopspec_sampling import CHI2_999, chi_square
+
+    torch.manual_seed(0)
+    chains = [_decide_chain(second, None) for _ in range(DECIDER_DRAWS)]
+    for position, want in ((0, Q1), (1, Q2 if second else Q1), (2, P)):
+        stat, dof = chi_square(Counter(c[position] for c in chains), want, DECIDER_DRAWS)
+        assert stat < CHI2_999[dof], (position, stat)
+    assert any(c[2] != c[1] for c in chains) and any(c[2] == c[1] for c in chains)  # kept and replaced both ran
+    assert [_decide_chain(second, 7) for _ in range(3)] == [_decide_chain(second, 7) for _ in range(3)]
+
+
 # -- in the engine ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -293,6 +344,9 @@ def test_forced_rejection_at_every_stage(loopspec_llms, native_llm, oracle, toke
             if req is not None:
                 frontiers.append((req.num_computed_tokens, rnd["positions"][0] + len(rnd["tokens"])))
 
+    loops = drafter.num_loops
+    rows_before = _rows_per_loop(drafter.stats.rows_per_loop, loops)
+    masked_before = _rows_per_loop(drafter.stats.masked_rows_per_loop, loops)
     drafter.draft_override = forcing_wrong_first_proposal(full, vocab, wrong_slot)
     drafter.trace = trace
     try:
@@ -303,8 +357,22 @@ def test_forced_rejection_at_every_stage(loopspec_llms, native_llm, oracle, toke
     assert frontiers and all(got == want for got, want in frontiers)
     steps_with_slot = sum(1 for rnd in trace for r in rnd.values() if len(r["tokens"]) > wrong_slot)
     assert drafter.stats.pipelined_restarts - restarts_before == steps_with_slot > 0
+    # Rows per loop, exactly: every forwarded token ([A, c_1..c_K] of each
+    # step) passes each loop once; each wrong first proposal also ran loops
+    # [0, d1) before its predecessor reached R (d1 = 2 = R - d1) and was
+    # replaced; the successor it had proposed in that tick was pruned before
+    # it ran. Nothing is masked in a pipelined step.
+    forwarded = sum(len(r["tokens"]) for rnd in trace for r in rnd.values())
+    d1 = drafter.draft_loops
+    rows = [a - b for a, b in zip(_rows_per_loop(drafter.stats.rows_per_loop, loops), rows_before)]
+    assert rows == [forwarded + (steps_with_slot if u < d1 else 0) for u in range(loops)]
+    assert _rows_per_loop(drafter.stats.masked_rows_per_loop, loops) == masked_before
     skip_unless_kv_readable(llm)
     check_kv_equals_oracle(llm, oracle, full, slot_of)
+
+
+def _rows_per_loop(counts: list[int], loops: int) -> list[int]:
+    return (list(counts) + [0] * loops)[:loops]
 
 
 def test_pipelined_cancellation_frees_kv(loopspec_llms, tokenizer):
