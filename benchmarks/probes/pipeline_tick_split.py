@@ -3,11 +3,15 @@ it, vLLM's ``Attention`` calls, one per loop group and layer), the per-tick
 ``lm_head``, the loop groups' attention metadata, and the rest of
 ``run_pipelined`` (host bookkeeping), per tick, beside a native loop pass.
 
-    .venv/bin/python benchmarks/probes/pipeline_tick_split.py [d1] [K] [concurrency]
+    .venv/bin/python benchmarks/probes/pipeline_tick_split.py [d1] [K] [concurrency] [temperature]
 
 Writes ``benchmarks/results/pipeline_tick_split.json`` (with
 ``VLLM_LOOPSPEC_MERGED_PLANES=0``, one attention call per loop group:
-``pipeline_tick_split_per_group.json``). One engine, one
+``pipeline_tick_split_per_group.json``; at a temperature above 0,
+``pipeline_tick_split_T<temperature>.json``). "decide" is the deciders'
+share of the host bookkeeping (proposing and verifying from the logits:
+argmaxes, and under sampling the processed distributions, the draws and
+the acceptance tests). One engine, one
 warm-up, then one timed trial of 128 tokens per request; the wrappers add a
 few perf_counter calls per tick.
 """
@@ -33,18 +37,19 @@ def main() -> None:
 
     given = [int(a) for a in sys.argv[1:4]]
     d1, k, c = given + [1, 16, 1][len(given):]
+    temperature = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     prompts = load_prompts("mixed")
     batch = [prompts[i % len(prompts)] for i in range(c)]
     native = LLM(CHECKPOINT, **ENGINE_ARGS)
     llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d1,
                                               "schedule": "pipelined"}, **ENGINE_ARGS)
     for engine in (native, llm):
-        decode_trial(engine, batch, 16)
-    native_trial = decode_trial(native, batch, 128, profile=True)
+        decode_trial(engine, batch, 16, temperature=temperature)
+    native_trial = decode_trial(native, batch, 128, profile=True, temperature=temperature)
     loops = model_runner(native).model.num_loops
 
     seconds = {"model tick": 0.0, "Attention calls": 0.0, "lm_head": 0.0, "group metadata": 0.0,
-               "run_pipelined": 0.0}
+               "run_pipelined": 0.0, "decide": 0.0}
     attention_calls = [0]
 
     def timed(name, fn, count=None):
@@ -65,21 +70,25 @@ def main() -> None:
     run_pipelined = drafter_module.run_pipelined
 
     def run_timed(schedule, model, decide, attention, *args, **kwargs):
+        for method in ("decide", "propose", "refine", "verify"):  # the decider's calls (earlier code: three)
+            if hasattr(decide, method):
+                setattr(decide, method, timed("decide", getattr(decide, method)))
         return timed("run_pipelined", run_pipelined)(schedule, model, decide, timed("group metadata", attention),
                                                       *args, **kwargs)
 
     drafter_module.run_pipelined = run_timed
     stats = model_runner(llm).drafter.stats
     ticks_before = stats.pipelined_ticks
-    trial = decode_trial(llm, batch, 128)
+    trial = decode_trial(llm, batch, 128, temperature=temperature)
     ticks = stats.pipelined_ticks - ticks_before
     per_tick = {name: value / ticks * 1e3 for name, value in seconds.items()}
-    per_tick["host bookkeeping (run_pipelined minus model tick, lm_head and group metadata)"] = (
+    per_tick["host bookkeeping (run_pipelined minus model tick, lm_head and group metadata; decide in it)"] = (
         per_tick["run_pipelined"] - per_tick["model tick"] - per_tick["lm_head"] - per_tick["group metadata"])
     record = {
         "probe": "pipeline_tick_split", "command": "python benchmarks/probes/pipeline_tick_split.py "
                                                   + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "d1": d1, "K": k, "concurrency": c,
+        "temperature": temperature,
         "merged_planes": model_runner(llm).drafter.stacked_planes() is not None,
         "tokens_per_s": {"native": native_trial["tokens_per_s"], "pipelined": trial["tokens_per_s"]},
         "native_loop_ms": native_trial["forward_seconds"] / native_trial["steps"] / loops * 1e3,
@@ -88,7 +97,8 @@ def main() -> None:
         "attention_calls_per_tick": attention_calls[0] / ticks,
         "us_per_attention_call": seconds["Attention calls"] / max(attention_calls[0], 1) * 1e6,
     }
-    name = "pipeline_tick_split.json" if record["merged_planes"] else "pipeline_tick_split_per_group.json"
+    name = "pipeline_tick_split" + ("" if record["merged_planes"] else "_per_group")
+    name += (f"_T{temperature:g}" if temperature > 0 else "") + ".json"
     out = ROOT / "benchmarks" / "results" / name
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
