@@ -53,8 +53,8 @@ def _drive(schedule, truth, wrong_first=frozenset(), right_second=True):
     the KV invariant of every pass."""
     ran = {(r, j): set() for r in schedule.spec_rows for j in range(schedule.num_drafts[r] + 1)}
     while not schedule.done:
-        for groups in schedule.passes():
-            for loop, entries in groups:
+        for pass_ in schedule.passes():
+            for loop, entries in pass_.groups:
                 assert len({e.row for e in entries}) == len(entries), "two tokens of a request in one group"
                 for e in entries:
                     if e.row not in schedule.num_drafts:

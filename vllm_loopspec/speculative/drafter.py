@@ -30,9 +30,9 @@ import torch
 
 from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
-from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, PipelineOutput, PipelineSchedule,
-                                                 SampledDecider, flat_tokens, run_pipelined)
-from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, tick_attention
+from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, PipelineOutput, PipelineSchedule,
+                                                 SampledDecider, run_pipelined)
+from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, host_tensor, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.schedule_choice import PIPELINED, PLAIN, POLICY, ScheduleChooser
@@ -553,55 +553,42 @@ class LoopSpecDrafter:
         runner = self.runner
         attn_group, device, slot_mapping = runner.attn_groups[0][0], runner.device, common.slot_mapping
 
-        def group_attention(entries: list[Entry], loops: np.ndarray | None = None) -> TickAttention:
-            """Metadata over ``entries``' tokens: at one loop (every loop's KV
-            plane has the same blocks and slots), or, with ``loops`` (one per
-            entry), each row's blocks and slots shifted to its loop's plane
-            in the stacked views."""
-            flat = flat_tokens(entries)
-            rows = np.array([e.row for e in entries], np.int64)
-            counts = np.array([e.count for e in entries], np.int32)
-            if loops is None:
-                block_table, slots = None, slot_mapping[torch.from_numpy(flat).to(device)]
-            else:
-                block_table = plane_tables[torch.from_numpy(loops).to(device), torch.from_numpy(rows).to(device)]
-                slots = plane_slots[torch.from_numpy(np.repeat(loops, counts)).to(device),
-                                    torch.from_numpy(flat).to(device)]
-            return tick_attention(common, attn_group, device, counts, np.array([e.seq_len for e in entries], np.int64),
-                                  rows, slots, block_table=block_table)
-
-        # Built once per step for each set of tokens (e.g. slot j of every
-        # row at each of its loops); at c1 nearly every pass is a new set.
-        built: dict[tuple[Entry, ...], TickAttention] = {}
-
-        def attention(entries: list[Entry]) -> TickAttention:
-            key = tuple(entries)
-            if key not in built:
-                built[key] = group_attention(entries)
-            return built[key]
+        def attention(entries: list[Entry], flat: list[int]) -> TickAttention:
+            """One loop group's metadata: every loop's KV plane has the same
+            blocks and slots, so the runner's block tables and slots serve
+            every group."""
+            slots = slot_mapping[host_tensor(flat).to(device, non_blocking=True)]
+            return tick_attention(common, attn_group, device, [e.count for e in entries],
+                                  [e.seq_len for e in entries], [e.row for e in entries], slots)
 
         from vllm_loopspec.models.ouro import MergedAttention
 
         planes = self.stacked_planes()
-        merged_built: dict[tuple, MergedAttention] = {}
         if planes is not None:
             # Every loop's block tables and slots shifted to its plane once
             # per step ([loop, row, block] and [loop, token]): a pass then
             # gathers its rows' with one index each.
             offsets = torch.tensor(planes.block_offset, dtype=torch.int64)
             plane_tables = (common.block_table_tensor.unsqueeze(0)
-                            + offsets.to(device, common.block_table_tensor.dtype)[:, None, None])
+                            + offsets.to(device, common.block_table_tensor.dtype)[:, None, None]
+                            ).flatten(0, 1)  # [loop * rows + row, block]
             plane_slots = (slot_mapping.unsqueeze(0)
-                           + (offsets * planes.block_size).to(device, slot_mapping.dtype)[:, None])
+                           + (offsets * planes.block_size).to(device, slot_mapping.dtype)[:, None]
+                           ).flatten()  # [loop * tokens + token]
+            num_rows, num_tokens = common.block_table_tensor.shape[0], slot_mapping.shape[0]
 
-        def merge(groups: list[tuple[int, list[Entry]]]) -> MergedAttention:
-            """Every group of a pass under one metadata (one attention call per layer)."""
-            key = tuple((loop, tuple(entries)) for loop, entries in groups)
-            if key not in merged_built:
-                loops = np.array([loop for loop, group in groups for _ in group], np.int64)
-                tick = group_attention([e for _, group in groups for e in group], loops)
-                merged_built[key] = MergedAttention(tick.metadata, tick.slot_mapping, planes.caches)
-            return merged_built[key]
+        def merge(pass_: Pass) -> MergedAttention:
+            """Every group of a pass under one metadata (one attention call
+            per layer): each entry's blocks and slots on its loop's plane."""
+            entries = pass_.entries
+            rows = [e.row for e in entries]
+            table_index = [u * num_rows + r for u, r in zip(pass_.entry_loops, rows)]
+            slot_index = [u * num_tokens + i for u, i in zip(pass_.row_loops, pass_.flat)]
+            block_table = plane_tables[host_tensor(table_index).to(device, non_blocking=True)]
+            slots = plane_slots[host_tensor(slot_index).to(device, non_blocking=True)]
+            tick = tick_attention(common, attn_group, device, [e.count for e in entries],
+                                  [e.seq_len for e in entries], rows, slots, block_table=block_table)
+            return MergedAttention(tick.metadata, tick.slot_mapping, planes.caches)
 
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)

@@ -50,18 +50,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
-import numpy as np
 import torch
 
-from vllm_loopspec.speculative.plan import StepLayout, TickAttention
+from vllm_loopspec.speculative.plan import StepLayout, TickAttention, host_tensor
 
 NOT_STARTED = -1
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """Tokens ``[start, start + count)`` (flat) of request row ``row``, all at
     one loop in one pass; ``seq_len``: the row's length through the last."""
 
@@ -71,9 +69,38 @@ class Entry:
     seq_len: int
 
 
-def flat_tokens(entries: Sequence[Entry]) -> np.ndarray:
+def flat_tokens(entries: Sequence[Entry]) -> list[int]:
     """The flat indices of ``entries``' tokens, in order."""
-    return np.concatenate([np.arange(e.start, e.start + e.count) for e in entries])
+    return [i for e in entries for i in range(e.start, e.start + e.count)]
+
+
+@dataclass
+class Pass:
+    """One pass of a tick: its loop groups (ascending loop, entries in row
+    order) and, flattened once for the tensor work, its rows (the entries'
+    tokens, group after group) as plain lists. A tick's host work is a few
+    dozen small operations, each costing microseconds, so every list here
+    is built once and turned into a tensor at most once."""
+
+    groups: list[tuple[int, list[Entry]]]
+    flat: list[int] = field(default_factory=list)  # flat index of each row
+    row_loops: list[int] = field(default_factory=list)  # loop of each row
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (loop, start, end) of each group's rows
+    entries: list[Entry] = field(default_factory=list)  # every group's, in order
+    entry_loops: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for loop, entries in self.groups:
+            start = len(self.flat)
+            for e in entries:
+                if e.count == 1:
+                    self.flat.append(e.start)
+                else:
+                    self.flat.extend(range(e.start, e.start + e.count))
+            self.row_loops.extend([loop] * (len(self.flat) - start))
+            self.spans.append((loop, start, len(self.flat)))
+            self.entries.extend(entries)
+            self.entry_loops.extend([loop] * len(entries))
 
 
 @dataclass
@@ -109,6 +136,7 @@ class PipelineSchedule:
         self.spec_rows = layout.spec_rows.tolist()
         self.num_drafts = {r: int(layout.num_drafts[r]) for r in self.spec_rows}
         self.anchor = {r: int(layout.anchors[r]) for r in self.spec_rows}
+        self.base_seq = {r: int(layout.seq_lens[r] - layout.num_drafts[r]) for r in self.spec_rows}
         # Base tokens (every row's non-draft tokens, A included) share one depth.
         self.base_depth = 0
         ends = layout.query_start[1:] - layout.num_drafts
@@ -134,7 +162,7 @@ class PipelineSchedule:
     def done(self) -> bool:
         return self.base_depth >= self.R and all(d >= self.R for ds in self.depth.values() for d in ds)
 
-    def passes(self) -> list[list[tuple[int, list[Entry]]]]:
+    def passes(self) -> list[Pass]:
         """The next tick's passes: per pass, ``(loop, entries)`` groups in
         ascending loop, entries in row order."""
         out = []
@@ -143,13 +171,13 @@ class PipelineSchedule:
             if self.base_depth + s < self.R:
                 by_loop.setdefault(self.base_depth + s, []).extend(self.base_entries)
             for r in self.spec_rows:
-                base_seq = int(self.layout.seq_lens[r] - self.layout.num_drafts[r])
+                anchor, base_seq = self.anchor[r], self.base_seq[r]
                 for j, d in enumerate(self.depth[r], start=1):
                     if d != NOT_STARTED and d + s < self.R:
-                        by_loop.setdefault(d + s, []).append(Entry(r, self.flat(r, j), 1, base_seq + j))
+                        by_loop.setdefault(d + s, []).append(Entry(r, anchor + j, 1, base_seq + j))
             if not by_loop:
                 break
-            out.append([(u, sorted(by_loop[u], key=lambda e: e.row)) for u in sorted(by_loop)])
+            out.append(Pass([(u, sorted(by_loop[u])) for u in sorted(by_loop)]))
         return out
 
     def finish_tick(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
@@ -356,66 +384,63 @@ class PipelineOutput:
 
 
 def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Decider,
-                  attention: Callable[[list[Entry]], TickAttention],
+                  attention: Callable[[list[Entry], list[int]], TickAttention],
                   input_ids: torch.Tensor, positions: torch.Tensor,
                   override: Callable[[int, int, int], int] | None = None,
                   on_pass: Callable[[list[tuple[int, list[Entry]]], torch.Tensor, torch.Tensor], None] | None = None,
-                  merge: Callable[[list[tuple[int, list[Entry]]]], object] | None = None,
+                  merge: Callable[[Pass], object] | None = None,
                   ) -> PipelineOutput:
     """Run the step's ticks until every slot is verified at depth ``R``.
-    ``attention(entries)`` builds one loop group's attention metadata;
-    ``merge(groups)``, where given, one attention for every group of a pass
-    that has several (:class:`~vllm_loopspec.models.ouro.MergedAttention`).
-    Test hooks: ``override(row, slot, token)`` replaces first proposals;
-    ``on_pass(groups, token_ids, states)`` sees every pass just after it ran
-    (the step's current tokens and newest states by flat index)."""
+    ``attention(entries, flat)`` builds one loop group's attention metadata
+    (``flat``: its rows' flat indices); ``merge(pass_)``, where given, one
+    attention for every group of a pass that has several
+    (:class:`~vllm_loopspec.models.ouro.MergedAttention`). Test hooks:
+    ``override(row, slot, token)`` replaces first proposals;
+    ``on_pass(groups, token_ids, states)`` sees every pass just after it
+    ran (the step's current tokens and newest states by flat index)."""
     n = schedule.layout.num_tokens
-    token_ids = input_ids[:n].clone()
+    device = input_ids.device
+    tokens = input_ids[:n].tolist()  # the step's current tokens, on the host (proposals and restarts write here)
     states: torch.Tensor | None = None
-    flat_of: dict[tuple[Entry, ...], np.ndarray] = {}  # a group's flat indices, per set of tokens
+    anchor = schedule.anchor
     while not schedule.done:
-        for groups in schedule.passes():
-            index, spans, start = [], [], 0
-            merged = merge(groups) if merge is not None and len(groups) > 1 else None
-            for loop, entries in groups:
-                key = tuple(entries)
-                flat = flat_of.get(key)
-                if flat is None:
-                    flat = flat_of[key] = flat_tokens(entries)
-                index.append(flat)
-                spans.append((loop, start, start + len(flat), None if merged is not None else attention(entries)))
-                start += len(flat)
-            flat_all = torch.from_numpy(np.concatenate(index)).to(token_ids.device)
-            first_loop, _, first_end, _ = spans[0]
+        for pass_ in schedule.passes():
+            flat = host_tensor(pass_.flat).to(device, non_blocking=True)
+            merged = merge(pass_) if merge is not None and len(pass_.spans) > 1 else None
+            spans = [(loop, start, end, None if merged is not None else
+                      attention(entries, pass_.flat[start:end]))
+                     for (loop, start, end), (_, entries) in zip(pass_.spans, pass_.groups)]
+            first_loop, _, first_end = pass_.spans[0]
             if first_loop == 0:  # tokens entering the stack: their embeddings
-                hidden = model.embed(token_ids[flat_all[:first_end]])
+                entering = host_tensor([tokens[i] for i in pass_.flat[:first_end]]).to(input_ids.dtype)
+                hidden = model.embed(entering.to(device, non_blocking=True))
                 if states is None:
                     states = hidden.new_empty((n, hidden.shape[-1]))
-                if first_end < start:
-                    hidden = torch.cat([hidden, states[flat_all[first_end:]]])
+                if first_end < len(pass_.flat):
+                    hidden = torch.cat([hidden, states[flat[first_end:]]])
             else:
-                hidden = states[flat_all]
-            states[flat_all] = model.tick(hidden, positions[flat_all], spans, merged)
+                hidden = states[flat]
+            states[flat] = model.tick(hidden, positions[flat], spans, merged)
             schedule.counts.passes += 1
             if on_pass is not None:
-                on_pass(groups, token_ids, states)
+                on_pass(pass_.groups, host_tensor(tokens), states)
         propose, refine, verify = schedule.finish_tick()
         slots = propose + refine + verify
         if not slots:
             continue
-        logits = model.logits(states[torch.tensor([schedule.flat(r, j) for r, j in slots],
-                                                  device=states.device)])
+        index = host_tensor([anchor[r] + j for r, j in slots]).to(device, non_blocking=True)
+        logits = model.logits(states[index])
         proposals = [schedule.token[r][j] for r, j in refine + verify]
         decided = decide.decide(logits, propose, refine, verify, proposals)
         for (r, j), token in zip(propose, decided):
             if override is not None:
                 token = override(r, j + 1, token)
             schedule.proposed(r, j, token)
-            token_ids[schedule.flat(r, j + 1)] = token
+            tokens[anchor[r] + j + 1] = token
         for (r, j), token, refining in zip(refine + verify, decided[len(propose):],
                                            [True] * len(refine) + [False] * len(verify)):
             keep = schedule.refined if refining else schedule.verified
             if not keep(r, j, token):
-                token_ids[schedule.flat(r, j + 1)] = token
+                tokens[anchor[r] + j + 1] = token
     drafts = schedule.drafts()
     return PipelineOutput(hidden_states=states, drafts=drafts, counts=schedule.counts)

@@ -22,6 +22,7 @@ step. The round then runs without asking the host anything.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,28 +113,41 @@ def padded_rows(num_rows: int, buckets: list[int] | None) -> int:
     return num_rows
 
 
-def tick_attention(common, attn_group, device: torch.device, query_lens: np.ndarray, seq_lens: np.ndarray,
-                   rows: np.ndarray, slots: torch.Tensor, masked_rows: int = 0,
+_NUMPY_INTS = {torch.int32: np.int32, torch.int64: np.int64}
+
+
+def host_tensor(values, dtype=np.int64) -> torch.Tensor:
+    """A host tensor of a list of ints. (``torch.tensor`` on a Python list
+    costs about three times numpy's conversion plus ``from_numpy``; a
+    pipelined tick makes a dozen such tensors.)"""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
+def tick_attention(common, attn_group, device: torch.device, query_lens, seq_lens, rows,
+                   slots: torch.Tensor, masked_rows: int = 0,
                    block_table: torch.Tensor | None = None) -> TickAttention:
     """Attention metadata of one tick (or one loop group of a tick): request
     rows ``rows`` of the step (their block tables, unless ``block_table``
     gives them), ``query_lens`` tokens each ending at ``seq_lens``, writing
     KV at ``slots``; built by the runner's own builder from the step's
-    ``CommonAttentionMetadata``."""
+    ``CommonAttentionMetadata``. ``query_lens``, ``seq_lens`` and ``rows``:
+    lists or arrays of ints (a pipelined tick builds this every pass, from
+    lists)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    qsl = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=qsl[1:])
-    qsl_cpu = torch.from_numpy(qsl)
+    query_lens, seq_lens = (v.tolist() if isinstance(v, np.ndarray) else v for v in (query_lens, seq_lens))
+    qsl = [0, *itertools.accumulate(query_lens)]
+    qsl_cpu = host_tensor(qsl, np.int32)
+    seq_lens_cpu = host_tensor(seq_lens, _NUMPY_INTS[common.seq_lens.dtype])
     sub = CommonAttentionMetadata(
         query_start_loc=qsl_cpu.to(device, non_blocking=True),
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.from_numpy(np.asarray(seq_lens)).to(common.seq_lens.dtype).to(device, non_blocking=True),
+        seq_lens=seq_lens_cpu.to(device, non_blocking=True),
         num_reqs=len(rows),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=int(np.max(query_lens, initial=0)),
-        max_seq_len=int(np.max(seq_lens, initial=0)),
-        block_table_tensor=(common.block_table_tensor[torch.from_numpy(np.asarray(rows)).to(device, non_blocking=True)]
+        num_actual_tokens=qsl[-1],
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        block_table_tensor=(common.block_table_tensor[host_tensor(rows).to(device, non_blocking=True)]
                             if block_table is None else block_table),
         slot_mapping=slots,
         causal=True,
