@@ -709,7 +709,7 @@ def save_speedup_grid(fig, axes, name: str) -> str:
     return name
 
 
-def plot_pipelined(rec: dict) -> str:
+def plot_pipelined(rec: dict, name: str = "pipelined_speedup.png") -> str:
     """Speedup over native per concurrency: the best round of each d and each pipelined arm."""
     cells = list(rec["results"])
     fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 3.8), sharey=True, squeeze=False)
@@ -733,7 +733,7 @@ def plot_pipelined(rec: dict) -> str:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks(np.arange(len(concs)) + 0.4 - width / 2, [f"c={c}" for c in concs])
         ax.set_title(cell)
-    return save_speedup_grid(fig, axes, "pipelined_speedup.png")
+    return save_speedup_grid(fig, axes, name)
 
 
 def plot_auto(rec: dict) -> str:
@@ -942,6 +942,15 @@ def main() -> None:
         lines += pipelined_section(pipelined) + [f"![pipelined](results/plots/{plot_pipelined(pipelined)})", ""]
     else:
         lines += ["(no pipelined run recorded)", ""]
+    rerun = load("pipelined_sweep_sixteenth.json")
+    if rerun:
+        lines += ["### Rerun after the flattened pass, on an AVX2 host (sixteenth session)", "",
+                  "The run above was on an AVX-512 host. This one ran on an AMD EPYC with AVX2 only, about "
+                  "3× slower in every part of a step, after the pass was flattened into plain lists "
+                  "(RFC §7), with 3 repeats (at c=1, repeat r decodes prompt r: this run has the first three "
+                  "prompts, the run above five) and K 16 and 32; same columns.", ""]
+        lines += pipelined_section(rerun) + [
+            f"![pipelined, AVX2 host](results/plots/{plot_pipelined(rerun, 'pipelined_speedup_sixteenth.png')})", ""]
     ceiling = load("pipeline_ceiling.json")
     if ceiling:
         lines += ["### Ceiling priced before the engine schedule was built", ""]
@@ -977,7 +986,7 @@ def main() -> None:
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, auto, adaptive, burst,
                 burst_auto,
-                async_rec, pipelined, ceiling):
+                async_rec, pipelined, rerun, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:

@@ -107,6 +107,29 @@ def test_pipelined_engines_run_every_pass_in_one_attention_call(loopspec_llms):
     assert len(set(planes.block_offset)) == drafter.num_loops
 
 
+def test_one_attention_call_per_group_equals_native(loopspec_llms, prompts, native_reference, monkeypatch):
+    """Where the planes cannot be stacked (a KV connector, a GPU backend,
+    ``VLLM_LOOPSPEC_MERGED_PLANES=0``) each loop group is its own call with
+    its own metadata (shared by a set of tokens across loops): still exact."""
+    import vllm_loopspec.models.ouro as ouro
+
+    llm = pipelined(loopspec_llms, 4, 1)
+    drafter = model_runner(llm).drafter
+    merged_calls = []
+    merged_attention = ouro._merged_attention
+    monkeypatch.setattr(ouro, "_merged_attention", lambda *a: merged_calls.append(1) or merged_attention(*a))
+    planes, drafter._planes = drafter._planes, (None,)
+    try:
+        ticks_before = drafter.stats.pipelined_ticks
+        params = SamplingParams(max_tokens=BUDGETS[-1], temperature=0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        drafter._planes = planes
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, BUDGETS[-1])], p[:40]
+    assert drafter.stats.pipelined_ticks > ticks_before and not merged_calls
+
+
 @pytest.mark.parametrize("d1", [1, 2, 3])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_full_acceptance_takes_k_plus_fill_ticks(k, d1):

@@ -553,13 +553,19 @@ class LoopSpecDrafter:
         runner = self.runner
         attn_group, device, slot_mapping = runner.attn_groups[0][0], runner.device, common.slot_mapping
 
+        # Built once per step for each set of tokens: every loop's KV plane
+        # has the same blocks and slots, so the metadata of slot j's tokens
+        # serves them at every loop they pass through, tick after tick.
+        built: dict[tuple[Entry, ...], TickAttention] = {}
+
         def attention(entries: list[Entry], flat: list[int]) -> TickAttention:
-            """One loop group's metadata: every loop's KV plane has the same
-            blocks and slots, so the runner's block tables and slots serve
-            every group."""
-            slots = slot_mapping[host_tensor(flat).to(device, non_blocking=True)]
-            return tick_attention(common, attn_group, device, [e.count for e in entries],
-                                  [e.seq_len for e in entries], [e.row for e in entries], slots)
+            """One loop group's metadata (the runner's block tables and slots)."""
+            key = tuple(entries)
+            if key not in built:
+                slots = slot_mapping[host_tensor(flat).to(device, non_blocking=True)]
+                built[key] = tick_attention(common, attn_group, device, [e.count for e in entries],
+                                            [e.seq_len for e in entries], [e.row for e in entries], slots)
+            return built[key]
 
         from vllm_loopspec.models.ouro import MergedAttention
 

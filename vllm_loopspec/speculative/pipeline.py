@@ -69,11 +69,6 @@ class Entry(NamedTuple):
     seq_len: int
 
 
-def flat_tokens(entries: Sequence[Entry]) -> list[int]:
-    """The flat indices of ``entries``' tokens, in order."""
-    return [i for e in entries for i in range(e.start, e.start + e.count)]
-
-
 @dataclass
 class Pass:
     """One pass of a tick: its loop groups (ascending loop, entries in row
@@ -163,8 +158,8 @@ class PipelineSchedule:
         return self.base_depth >= self.R and all(d >= self.R for ds in self.depth.values() for d in ds)
 
     def passes(self) -> list[Pass]:
-        """The next tick's passes: per pass, ``(loop, entries)`` groups in
-        ascending loop, entries in row order."""
+        """The next tick's passes, each with its ``(loop, entries)`` groups
+        in ascending loop, entries in row order."""
         out = []
         for s in range(self.d1):
             by_loop: dict[int, list[Entry]] = {}
