@@ -951,6 +951,10 @@ def main() -> None:
                   "prompts, the run above five) and K 16 and 32; same columns.", ""]
         lines += pipelined_section(rerun) + [
             f"![pipelined, AVX2 host](results/plots/{plot_pipelined(rerun, 'pipelined_speedup_sixteenth.png')})", ""]
+    rerun_c1 = load("pipelined_sweep_sixteenth_c1.json")
+    if rerun_c1:
+        lines += ["#### c=1 again with five repeats (the five prompts of the AVX-512 run)", ""]
+        lines += pipelined_section(rerun_c1)
     ceiling = load("pipeline_ceiling.json")
     if ceiling:
         lines += ["### Ceiling priced before the engine schedule was built", ""]
@@ -986,7 +990,7 @@ def main() -> None:
               "make suffix-decoding                           # arctic-inference, for vLLM's suffix method"]
     for rec in (sweep, sampled, *(load(f"kv_sweep_{s}.json") for s in PROMPT_SETS), curve, auto, adaptive, burst,
                 burst_auto,
-                async_rec, pipelined, rerun, ceiling):
+                async_rec, pipelined, rerun, rerun_c1, ceiling):
         if rec:
             lines.append(rec["command"].replace("python ", ".venv/bin/python ", 1))
     if serving:
