@@ -54,7 +54,7 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 
 import torch
 
-from vllm_loopspec.speculative.plan import StepLayout, TickAttention, host_tensor
+from vllm_loopspec.speculative.plan import NUMPY_INTS, StepLayout, TickAttention, host_tensor
 
 NOT_STARTED = -1
 
@@ -397,7 +397,6 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
     device = input_ids.device
     tokens = input_ids[:n].tolist()  # the step's current tokens, on the host (proposals and restarts write here)
     states: torch.Tensor | None = None
-    anchor = schedule.anchor
     while not schedule.done:
         for pass_ in schedule.passes():
             flat = host_tensor(pass_.flat).to(device, non_blocking=True)
@@ -407,7 +406,7 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                      for (loop, start, end), (_, entries) in zip(pass_.spans, pass_.groups)]
             first_loop, _, first_end = pass_.spans[0]
             if first_loop == 0:  # tokens entering the stack: their embeddings
-                entering = host_tensor([tokens[i] for i in pass_.flat[:first_end]]).to(input_ids.dtype)
+                entering = host_tensor([tokens[i] for i in pass_.flat[:first_end]], NUMPY_INTS[input_ids.dtype])
                 hidden = model.embed(entering.to(device, non_blocking=True))
                 if states is None:
                     states = hidden.new_empty((n, hidden.shape[-1]))
@@ -423,7 +422,7 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
         slots = propose + refine + verify
         if not slots:
             continue
-        index = host_tensor([anchor[r] + j for r, j in slots]).to(device, non_blocking=True)
+        index = host_tensor([schedule.flat(r, j) for r, j in slots]).to(device, non_blocking=True)
         logits = model.logits(states[index])
         proposals = [schedule.token[r][j] for r, j in refine + verify]
         decided = decide.decide(logits, propose, refine, verify, proposals)
@@ -431,11 +430,11 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
             if override is not None:
                 token = override(r, j + 1, token)
             schedule.proposed(r, j, token)
-            tokens[anchor[r] + j + 1] = token
+            tokens[schedule.flat(r, j + 1)] = token
         for (r, j), token, refining in zip(refine + verify, decided[len(propose):],
                                            [True] * len(refine) + [False] * len(verify)):
             keep = schedule.refined if refining else schedule.verified
             if not keep(r, j, token):
-                tokens[anchor[r] + j + 1] = token
+                tokens[schedule.flat(r, j + 1)] = token
     drafts = schedule.drafts()
     return PipelineOutput(hidden_states=states, drafts=drafts, counts=schedule.counts)

@@ -113,7 +113,7 @@ def padded_rows(num_rows: int, buckets: list[int] | None) -> int:
     return num_rows
 
 
-_NUMPY_INTS = {torch.int32: np.int32, torch.int64: np.int64}
+NUMPY_INTS = {torch.int32: np.int32, torch.int64: np.int64}  # a torch int dtype as numpy's
 
 
 def host_tensor(values, dtype=np.int64) -> torch.Tensor:
@@ -138,7 +138,7 @@ def tick_attention(common, attn_group, device: torch.device, query_lens, seq_len
     query_lens, seq_lens = (v.tolist() if isinstance(v, np.ndarray) else v for v in (query_lens, seq_lens))
     qsl = [0, *itertools.accumulate(query_lens)]
     qsl_cpu = host_tensor(qsl, np.int32)
-    seq_lens_cpu = host_tensor(seq_lens, _NUMPY_INTS[common.seq_lens.dtype])
+    seq_lens_cpu = host_tensor(seq_lens, NUMPY_INTS[common.seq_lens.dtype])
     sub = CommonAttentionMetadata(
         query_start_loc=qsl_cpu.to(device, non_blocking=True),
         query_start_loc_cpu=qsl_cpu,
