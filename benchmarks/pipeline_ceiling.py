@@ -64,6 +64,19 @@ def pipelined_step_ms(k: int, R: int, d1: int, d2: int | None, a1: float, rescue
     return S + ticks * (d1 * L(rows) + P), ticks
 
 
+def measured_tick_ceiling(k: int, R: int, d1: int, a1: float, S: float, native_step_ms: float,
+                          tick_ms: float) -> float:
+    """Speedup over native of a pipelined step whose every tick costs the
+    measured ``tick_ms`` (one arm's model forward over its ticks, host work
+    in it, at that arm's rows per pass), with the batch-1 tick count at
+    first-proposal acceptance ``a1`` and the step's ``S``: issue 12's
+    ceiling "with the measured tick cost per row count". What it leaves out
+    is what the schedule, not the tick, loses: a step lasts as long as its
+    slowest request's pipeline, and its fills and drains."""
+    ms, _ = pipelined_step_ms(k, R, d1, None, a1, 0.0, S, tick_ms, lambda rows: 0.0)
+    return native_step_ms / (ms / (k + 1))
+
+
 def round_step_ms(k: int, R: int, d: int, S: float, P: float, L) -> float:
     return S + k * P + d * (k + 1) * L(1) + (R - d) * L(k + 1)
 

@@ -640,15 +640,19 @@ def pipelined_section(rec: dict) -> list[str]:
              f"like Ouro-1.4B's (LoopSpec's mean accepted length 3.1–3.9 of 4 at d1=1 is a ≈ 0.83–0.99 per "
              "position). Both prices are batch 1's and shown at c=1 only; they cost a pass at d1·L(1) + P, "
              "while a measured pass costs more (`forward_ms_per_tick` in the JSON: every loop group of a pass "
-             "is its own attention call), which is most of the gap to them.", "",
+             "is its own attention call), which is most of the gap to them. `at tick`: the price with the "
+             "arm's measured tick instead (`pipeline_ceiling.measured_tick_ceiling`: `S + T·tick`, tick = "
+             "its model forward over its ticks, at its own rows per pass, host work included; every c), "
+             "then the measured speedup over it and the same price at a = 0.9: what the schedule loses "
+             "beyond its tick's cost (a step waits for its slowest request's pipeline, the prefill steps).", "",
              "The trials of a repeat use other prompts, so per-trial acceptance, and the median, swing; "
              "`total`: all tokens of the arm's trials over all their seconds, against native's; `worst`: "
              "the lowest paired trial (same prompts, same repeat) over native; `best round` is the round "
              "with the highest median (and, after the slash, the highest total) of the cell.", "",
              "| cell | c | native tok/s | best round (median / total) | arm | speedup (median) | total | worst "
              "| × best round (median / total) | accepted length | first kept | second kept | ticks/step | "
-             "restarts/step | ceiling | of ceiling | ceiling at a=0.9 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "restarts/step | ceiling | of ceiling | ceiling at a=0.9 | at tick | of it | at tick, a=0.9 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     import pipeline_ceiling
 
     loops = rec["loops"]
@@ -679,6 +683,12 @@ def pipelined_section(rec: dict) -> list[str]:
                     S, P, L1 = (pipe["ceiling"][key] for key in ("S_ms", "P_ms", "L1_ms"))
                     ms, _ = pipeline_ceiling.pipelined_step_ms(k, loops, d1, None, 0.9, 0.0, S, P, lambda rows: L1)
                     at_09 = (S + loops * L1) / (ms / (k + 1))
+                tick = tick_09 = None
+                costs = next((a["cost_model"] for n, a in rounds.items() if "cost_model" in a), None)
+                if costs is not None and " s" not in name:
+                    tick, tick_09 = (pipeline_ceiling.measured_tick_ceiling(
+                        k, loops, d1, a, costs["S_ms"], costs["S_ms"] + loops * costs["L1_ms"],
+                        pipe["forward_ms_per_tick"]) for a in (pipe["first_proposal_acceptance"], 0.9))
                 lines.append(
                     f"| {cell} | {c} | {fmt(arms['native']['median_tokens_per_s'], 0)} | "
                     f"{best.removeprefix('loopspec ')} {fmt(rounds[best]['speedup'])}× / "
@@ -691,7 +701,8 @@ def pipelined_section(rec: dict) -> list[str]:
                     f"(K={k}) | {fmt(pipe['first_proposal_acceptance'])} | "
                     f"{fmt(pipe['second_kept_share']) if ' s' in name else '–'} | {fmt(pipe['ticks_per_step'], 1)} | "
                     f"{fmt(pipe['restarts_per_step'], 1)} | {times(ceiling)} | "
-                    f"{fmt(r.get('speedup_over_ceiling') if ceiling else None)} | {times(at_09)} |")
+                    f"{fmt(r.get('speedup_over_ceiling') if ceiling else None)} | {times(at_09)} | "
+                    f"{times(tick)} | {fmt(r['speedup'] / tick if tick else None)} | {times(tick_09)} |")
     return lines + [""]
 
 

@@ -94,6 +94,10 @@ def main() -> None:
         "native_loop_ms": native_trial["forward_seconds"] / native_trial["steps"] / loops * 1e3,
         "native_step_ms": native_trial["seconds"] / native_trial["steps"] * 1e3,
         "pipelined_steps": trial["steps"], "ticks": ticks, "ms_per_tick": per_tick,
+        # what a step costs outside run_pipelined: vLLM's scheduling, input
+        # preparation, rejection sampler and output handling of K+1 tokens a row
+        "pipelined_step_ms": trial["seconds"] / trial["steps"] * 1e3,
+        "outside_run_pipelined_ms_per_step": (trial["seconds"] - seconds["run_pipelined"]) / trial["steps"] * 1e3,
         "attention_calls_per_tick": attention_calls[0] / ticks,
         "us_per_attention_call": seconds["Attention calls"] / max(attention_calls[0], 1) * 1e6,
     }
