@@ -643,7 +643,7 @@ def pipelined_section(rec: dict) -> list[str]:
              "is its own attention call), which is most of the gap to them. `at tick`: the price with the "
              "arm's measured tick instead (`pipeline_ceiling.measured_tick_ceiling`: `S + T·tick`, tick = "
              "its model forward over its ticks, at its own rows per pass, host work included; every c), "
-             "then the measured speedup over it and the same price at a = 0.9: what the schedule loses "
+             "then the measured speedup by total over it (the tick is a total too) and the same price at a = 0.9: what the schedule loses "
              "beyond its tick's cost (a step waits for its slowest request's pipeline, the prefill steps).", "",
              "The trials of a repeat use other prompts, so per-trial acceptance, and the median, swing; "
              "`total`: all tokens of the arm's trials over all their seconds, against native's; `worst`: "
@@ -702,7 +702,7 @@ def pipelined_section(rec: dict) -> list[str]:
                     f"{fmt(pipe['second_kept_share']) if ' s' in name else '–'} | {fmt(pipe['ticks_per_step'], 1)} | "
                     f"{fmt(pipe['restarts_per_step'], 1)} | {times(ceiling)} | "
                     f"{fmt(r.get('speedup_over_ceiling') if ceiling else None)} | {times(at_09)} | "
-                    f"{times(tick)} | {fmt(r['speedup'] / tick if tick else None)} | {times(tick_09)} |")
+                    f"{times(tick)} | {fmt(total(name) / tick if tick else None)} | {times(tick_09)} |")
     return lines + [""]
 
 
