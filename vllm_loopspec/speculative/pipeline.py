@@ -146,13 +146,6 @@ class PipelineSchedule:
         # What each slot holds: "first" (its first proposal), "second" (a
         # second proposal), "target" (the token its verification decided).
         self.kind = {r: [""] * self.num_drafts[r] for r in self.spec_rows}
-        # A row's started slots are a prefix of its list (a slot starts when
-        # its predecessor proposes it; a restart prunes everything after),
-        # and so are its verified ones (a predecessor stays ahead of its
-        # successor): the slots in flight run from the first unverified one,
-        # kept here, to the first not started. A tick looks at those only,
-        # not at all K of every row.
-        self.frontier = {r: 0 for r in self.spec_rows}
         self.counts = PipelineCounts(first_accepted=[0] * layout.max_drafts)
 
     # -- where things are --------------------------------------------------------
@@ -162,15 +155,7 @@ class PipelineSchedule:
 
     @property
     def done(self) -> bool:
-        return self.base_depth >= self.R and all(self.frontier[r] == self.num_drafts[r] for r in self.spec_rows)
-
-    def _in_flight(self, row: int):
-        """(index, depth) of the row's slots in flight, in slot order."""
-        ds = self.depth[row]
-        for i in range(self.frontier[row], len(ds)):
-            if ds[i] == NOT_STARTED:
-                return
-            yield i, ds[i]
+        return self.base_depth >= self.R and all(d >= self.R for ds in self.depth.values() for d in ds)
 
     def passes(self) -> list[Pass]:
         """The next tick's passes, each with its ``(loop, entries)`` groups
@@ -182,9 +167,9 @@ class PipelineSchedule:
                 by_loop.setdefault(self.base_depth + s, []).extend(self.base_entries)
             for r in self.spec_rows:
                 anchor, base_seq = self.anchor[r], self.base_seq[r]
-                for i, d in self._in_flight(r):
-                    if d + s < self.R:
-                        by_loop.setdefault(d + s, []).append(Entry(r, anchor + i + 1, 1, base_seq + i + 1))
+                for j, d in enumerate(self.depth[r], start=1):
+                    if d != NOT_STARTED and d + s < self.R:
+                        by_loop.setdefault(d + s, []).append(Entry(r, anchor + j, 1, base_seq + j))
             if not by_loop:
                 break
             out.append(Pass([(u, sorted(by_loop[u])) for u in sorted(by_loop)]))
@@ -216,13 +201,9 @@ class PipelineSchedule:
             self.base_depth = min(self.base_depth + self.d1, self.R)
         for r in self.spec_rows:
             ds = self.depth[r]
-            for i, d in list(self._in_flight(r)):
-                if d < self.R:
-                    ds[i] = advance(r, i + 1, d)
-            frontier = self.frontier[r]
-            while frontier < len(ds) and ds[frontier] == self.R:
-                frontier += 1
-            self.frontier[r] = frontier
+            for j, d in enumerate(ds, start=1):
+                if d != NOT_STARTED and d < self.R:
+                    ds[j - 1] = advance(r, j, d)
         propose.sort()
         verify.sort()
         refine.sort()
