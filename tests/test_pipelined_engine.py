@@ -246,6 +246,25 @@ def test_the_sampled_decider_decides_tokens_that_follow_the_target(second):
     assert [_decide_chain(second, 7) for _ in range(3)] == [_decide_chain(second, 7) for _ in range(3)]
 
 
+def test_a_rejection_with_no_residual_mass_draws_from_the_target():
+    """Where p <= q everywhere (p = q up to rounding) the residual
+    max(p - q, 0) has no mass; a rejection there (possible only through
+    rounding, forced here through the uniforms) draws from p itself, never
+    a token p cannot produce."""
+    from vllm_loopspec.speculative.pipeline import SampledDecider
+
+    q = torch.tensor([0.2, 0.3, 0.5, 0.0, 0.0, 0.0])
+    p = q.clone()
+    p[2] -= 1e-3  # p(c) < q(c) at the proposal c = 2, equal elsewhere: no residual mass
+    decider = SampledDecider(lambda distributions, rows: distributions, {0: True}, {})
+    uniforms = iter([(0.7, 0.0), (0.3, 0.9999)])  # propose c = 2; reject it (0.9999 q(c) > p(c))
+    decider._uniforms = lambda rows, device: torch.tensor([next(uniforms)], dtype=torch.float64)
+    (first,) = decider.decide(q[None], [(0, 0)], [], [], [])
+    (decided,) = decider.decide(p[None], [], [], [(0, 0)], [first])
+    assert first == 2
+    assert decided == 1  # p's inverse CDF at 0.3 (an empty residual's would give the last, impossible, token)
+
+
 # -- in the engine ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")
