@@ -82,6 +82,8 @@ def arm_specs(args) -> dict[str, dict | None]:
                 # or pipelined steps, chosen per step by measured rate.
                 name = f"loopspec d{d} adaptive" if schedule == "round" else f"loopspec d{d} auto"
                 arms[name] = {"method": "loopspec", "draft_loops": d, "schedule": schedule}
+                for k_max in args.adaptive_max_ks:  # the same bounded by max_speculative_tokens
+                    arms[f"{name} max{k_max}"] = arms[name] | {"max_speculative_tokens": k_max}
     for d in args.pipelined_draft_loops:
         for k in args.pipelined_ks:
             arms[f"pipelined d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
@@ -308,6 +310,8 @@ def main() -> None:
     ap.add_argument("--adaptive-schedules", nargs="+", default=["round"], choices=["round", "auto"],
                     help="the adaptive arms' schedule: round (arm 'loopspec dD adaptive') and/or auto "
                          "('loopspec dD auto': rounds, plain or pipelined steps by measured rate)")
+    ap.add_argument("--adaptive-max-ks", type=int, nargs="*", default=[],
+                    help="also each adaptive arm with max_speculative_tokens at these values (arm '... maxM')")
     ap.add_argument("--pipelined-draft-loops", type=int, nargs="*", default=[],
                     help="add the pipelined schedule at these d1 (with --pipelined-ks)")
     ap.add_argument("--pipelined-ks", type=int, nargs="+", default=[4, 8, 16])
@@ -384,7 +388,7 @@ def main() -> None:
                 row[name] = summary
             results[cell_name(*cell)][str(c)] = row
     policies = {name: policy_snapshot(llm) for name, llm in engines.items()
-                if name.endswith(" adaptive") or name.endswith(" auto")}
+                if " adaptive" in name or " auto" in name}
 
     record = {
         "benchmark": "kv_sweep",
