@@ -130,6 +130,47 @@ def test_one_attention_call_per_group_equals_native(loopspec_llms, prompts, nati
     assert drafter.stats.pipelined_ticks > ticks_before and not merged_calls
 
 
+def test_vllm_runs_lm_head_only_where_the_step_did_not_verify(loopspec_llms, prompts, native_reference,
+                                                              monkeypatch):
+    """A pipelined step computes the loop-R logits of every slot with a
+    successor to verify it; vLLM's sampler gets those rows from the step and
+    runs ``lm_head`` over the rest only (bonus positions, rows without
+    drafts). The logits it gets equal an ``lm_head`` over every row, and the
+    output stays native's."""
+    llm = pipelined(loopspec_llms, 4, 1)
+    model = model_runner(llm).drafter.model
+    processor, compute_logits = model.logits_processor, model.compute_logits
+    computed, steps = [0], []
+
+    def counting(lm_head, hidden, *args, **kwargs):
+        computed[0] += hidden.shape[0]
+        return type(processor).forward(processor, lm_head, hidden, *args, **kwargs)
+
+    def checked(hidden):
+        precomputed = model.precomputed_logits
+        if precomputed is None:
+            return compute_logits(hidden)
+        every_row = type(processor).forward(processor, model.lm_head, hidden)
+        before = computed[0]
+        out = compute_logits(hidden)
+        steps.append((hidden.shape[0], computed[0] - before, precomputed.missing.numel(),
+                      float((out - every_row).abs().max())))
+        return out
+
+    monkeypatch.setattr(processor, "forward", counting)
+    monkeypatch.setattr(model, "compute_logits", checked)
+    params = SamplingParams(max_tokens=BUDGETS[-1], temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, BUDGETS[-1])], p[:40]
+    assert steps, "no pipelined step handed its logits over"
+    for rows, ran, missing, error in steps:
+        assert ran == missing < rows
+        assert error < ATOL
+    # every speculating row's K drafts came from the step: lm_head ran over about 1 row in K + 1
+    assert sum(ran for _, ran, _, _ in steps) * 2 < sum(rows for rows, _, _, _ in steps)
+
+
 @pytest.mark.parametrize("d1", [1, 2, 3])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_full_acceptance_takes_k_plus_fill_ticks(k, d1):

@@ -340,6 +340,19 @@ class OuroModel(nn.Module):
         return self.run_loops(h, positions, 0, self.num_loops)
 
 
+@dataclass
+class PrecomputedLogits:
+    """Logits of the rows vLLM's runner asks :meth:`OuroForCausalLM.compute_logits`
+    for right after a step's forward, where the step already computed some of
+    them (a pipelined step's verifications: the loop-``R`` logits of every
+    slot with a successor). ``logits`` holds them in the runner's sample-row
+    order; ``missing`` indexes the rows still to compute (bonus positions,
+    rows without drafts)."""
+
+    logits: torch.Tensor  # [sample rows, vocab]
+    missing: torch.Tensor  # [rows to compute]
+
+
 @support_torch_compile(dynamic_arg_dims={"hidden_states": 0, "positions": 0})
 class OuroTick(nn.Module):
     """One tick of :class:`OuroModel` as its own compiled graph, its loop
@@ -370,6 +383,9 @@ class OuroForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # Set by the drafter at the end of a step's forward, read (once) by
+        # the runner's compute_logits call that follows it.
+        self.precomputed_logits: PrecomputedLogits | None = None
 
     @property
     def num_loops(self) -> int:
@@ -389,8 +405,19 @@ class OuroForCausalLM(nn.Module):
         return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits of any loop's exit state (they share ``lm_head``)."""
-        return self.logits_processor(self.lm_head, hidden_states)
+        """Logits of any loop's exit state (they share ``lm_head``). Right
+        after a step whose forward left :attr:`precomputed_logits` (the
+        runner's call over the step's sample rows), only the rows it lacks
+        go through ``lm_head``."""
+        precomputed, self.precomputed_logits = self.precomputed_logits, None
+        if precomputed is None or precomputed.logits.shape[0] != hidden_states.shape[0]:
+            return self.logits_processor(self.lm_head, hidden_states)
+        if precomputed.missing.numel():
+            rest = self.logits_processor(self.lm_head, hidden_states[precomputed.missing])
+            if rest is None:  # a TP rank that receives no logits
+                return None
+            precomputed.logits[precomputed.missing] = rest
+        return precomputed.logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         stacked = [

@@ -360,6 +360,8 @@ class LoopSpecDrafter:
     # -- step timing (the adaptive policy's cost model) -----------------------
     def step_started(self, scheduler_output) -> None:
         now = time.perf_counter()
+        if self.model is not None:  # never a step's precomputed logits in the next step
+            self.model.precomputed_logits = None
         tokens = scheduler_output.total_num_scheduled_tokens
         self._step_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
@@ -466,6 +468,7 @@ class LoopSpecDrafter:
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
         """The model forward of a step with drafts: returns loop-``R`` exit
         states of every scheduled token, with the drafts handed to vLLM."""
+        self.model.precomputed_logits = None
         if self._step_pipelined:
             return self.run_pipelined_step(self.layout(spec_metadata, common), input_ids, positions,
                                            spec_metadata, common)
@@ -599,12 +602,14 @@ class LoopSpecDrafter:
         schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
         decider = self._pipeline_decider(layout)
+        verified = _VerifiedLogits(layout)
         try:
             output = run_pipelined(schedule, model, decider, attention, input_ids, positions,
                                    self.pipeline_override(layout), self.pipeline_observer(layout, positions),
-                                   merge if planes is not None else None)
+                                   merge if planes is not None else None, verified)
         finally:
             model.restore()
+        self.model.precomputed_logits = verified.precomputed(device)
         self.hand_off_chain(layout, output, spec_metadata)
         if isinstance(decider, SampledDecider):
             self._hand_off_targets(layout, output, decider)
@@ -768,6 +773,39 @@ class _ServedModel:
 
     def logits(self, hidden):
         return self.model.compute_logits(hidden)
+
+
+class _VerifiedLogits:
+    """The loop-``R`` logits a pipelined step computed to verify each slot's
+    successor, kept in the runner's sample-row order (row ``r``'s ``K_r + 1``
+    positions from ``offsets[r]``; a row without drafts has one). vLLM's
+    sampler needs exactly these after the forward: handed over as
+    :class:`~vllm_loopspec.models.ouro.PrecomputedLogits`, vLLM's
+    ``lm_head`` then runs over the bonus positions and the rows without
+    drafts only, not over ``K`` of every ``K + 1`` rows a second time (at
+    width 8 on a CPU, where a pass is compute bound, ``lm_head`` is a
+    quarter of a tick's matmul work)."""
+
+    def __init__(self, layout: StepLayout) -> None:
+        counts = layout.num_drafts + 1
+        self.offsets = (np.cumsum(counts) - counts).tolist()
+        self.filled = np.zeros(int(counts.sum()), dtype=bool)
+        self.logits: torch.Tensor | None = None
+
+    def __call__(self, slots: list[tuple[int, int]], logits: torch.Tensor) -> None:
+        rows = [self.offsets[r] + j for r, j in slots]
+        if self.logits is None:
+            self.logits = logits.new_empty((self.filled.shape[0], logits.shape[-1]))
+        self.logits[host_tensor(rows).to(logits.device, non_blocking=True)] = logits
+        self.filled[rows] = True
+
+    def precomputed(self, device) -> "PrecomputedLogits | None":
+        from vllm_loopspec.models.ouro import PrecomputedLogits
+
+        if self.logits is None:
+            return None
+        missing = torch.from_numpy(np.nonzero(~self.filled)[0]).to(device, non_blocking=True)
+        return PrecomputedLogits(self.logits, missing)
 
 
 class _PipelineServedModel:

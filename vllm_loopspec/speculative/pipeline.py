@@ -384,12 +384,18 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
                   override: Callable[[int, int, int], int] | None = None,
                   on_pass: Callable[[list[tuple[int, list[Entry]]], torch.Tensor, torch.Tensor], None] | None = None,
                   merge: Callable[[Pass], object] | None = None,
+                  on_verified: Callable[[list[tuple[int, int]], torch.Tensor], None] | None = None,
                   ) -> PipelineOutput:
     """Run the step's ticks until every slot is verified at depth ``R``.
     ``attention(entries, flat)`` builds one loop group's attention metadata
     (``flat``: its rows' flat indices); ``merge(pass_)``, where given, one
     attention for every group of a pass that has several
-    (:class:`~vllm_loopspec.models.ouro.MergedAttention`). Test hooks:
+    (:class:`~vllm_loopspec.models.ouro.MergedAttention`).
+    ``on_verified(slots, logits)``, where given, gets each tick's loop-``R``
+    logits of the slots ``(row, slot)`` that verified their successor. A
+    slot's last ones are those of its final state: the target logits vLLM's
+    sampler needs at that position, which the caller can keep rather than
+    have vLLM run ``lm_head`` over those rows again. Test hooks:
     ``override(row, slot, token)`` replaces first proposals;
     ``on_pass(groups, token_ids, states)`` sees every pass just after it
     ran (the step's current tokens and newest states by flat index)."""
@@ -426,6 +432,8 @@ def run_pipelined(schedule: PipelineSchedule, model: PipelineModel, decide: Deci
         logits = model.logits(states[index])
         proposals = [schedule.token[r][j] for r, j in refine + verify]
         decided = decide.decide(logits, propose, refine, verify, proposals)
+        if on_verified is not None and verify:
+            on_verified(verify, logits[len(logits) - len(verify):])
         for (r, j), token in zip(propose, decided):
             if override is not None:
                 token = override(r, j + 1, token)
