@@ -966,6 +966,19 @@ def main() -> None:
     if rerun_c1:
         lines += ["#### c=1 again with five repeats (the five prompts of the AVX-512 run)", ""]
         lines += pipelined_section(rerun_c1)
+    rerun_19 = load("pipelined_sweep_nineteenth.json")
+    if rerun_19:
+        lines += ["### With the verification logits handed to vLLM, on an AVX-512 host (nineteenth session)", "",
+                  "A pipelined step computes the loop-R logits of every slot with a successor to verify it; "
+                  "vLLM's sampler now gets those rows from the step, and `lm_head` runs again only over the "
+                  "bonus positions and the rows without drafts (RFC §7). At c=8, where a pass is compute "
+                  "bound on this CPU, that was a quarter of the step's `lm_head` work. Five repeats, K 16 "
+                  "and 32, an AVX-512 host (like the first run above); same columns. The `at tick` prices "
+                  "charge each step native's S, which no longer includes the logits vLLM recomputed, so a "
+                  "measured speedup can pass them.", ""]
+        lines += pipelined_section(rerun_19) + [
+            f"![pipelined, nineteenth session](results/plots/"
+            f"{plot_pipelined(rerun_19, 'pipelined_speedup_nineteenth.png')})", ""]
     ceiling = load("pipeline_ceiling.json")
     if ceiling:
         lines += ["### Ceiling priced before the engine schedule was built", ""]
