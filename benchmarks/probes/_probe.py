@@ -22,6 +22,19 @@ def load_prompts(name: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
+def native_and_pipelined(d1: int, k: int, c: int):
+    """``c`` of the ``mixed`` prompts, a native engine and a pipelined one
+    (``d1``, ``K``) of the shared shape: the pipelined probes' setup."""
+    from vllm import LLM
+
+    prompts = load_prompts("mixed")
+    batch = [prompts[i % len(prompts)] for i in range(c)]
+    native = LLM(CHECKPOINT, **ENGINE_ARGS)
+    llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d1,
+                                              "schedule": "pipelined"}, **ENGINE_ARGS)
+    return batch, native, llm
+
+
 def time_steps(runner, samples: list) -> None:
     """Append ``(speculative?, scheduled tokens, seconds)`` to ``samples``
     for every step ``runner`` runs from now on."""

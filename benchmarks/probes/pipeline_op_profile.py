@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
+from _probe import ROOT, native_and_pipelined  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -37,18 +37,12 @@ def profiled_trial(llm, batch, new_tokens: int):
 
 
 def main() -> None:
-    from vllm import LLM
-
     from loopspec_decode import decode_trial
     from vllm_loopspec.engine_internals import model_runner
 
     given = [int(a) for a in sys.argv[1:4]]
     d1, k, c = given + [2, 32, 8][len(given):]
-    prompts = load_prompts("mixed")
-    batch = [prompts[i % len(prompts)] for i in range(c)]
-    native = LLM(CHECKPOINT, **ENGINE_ARGS)
-    llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d1,
-                                              "schedule": "pipelined"}, **ENGINE_ARGS)
+    batch, native, llm = native_and_pipelined(d1, k, c)
     for engine in (native, llm):
         decode_trial(engine, batch, 64)
     record = {"probe": "pipeline_op_profile", "command": "python benchmarks/probes/pipeline_op_profile.py "

@@ -22,13 +22,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
+from _probe import ROOT, native_and_pipelined  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main() -> None:
-    from vllm import LLM
     from vllm.model_executor.layers.attention.attention import Attention
 
     import vllm_loopspec.speculative.drafter as drafter_module
@@ -38,11 +37,7 @@ def main() -> None:
     given = [int(a) for a in sys.argv[1:4]]
     d1, k, c = given + [1, 16, 1][len(given):]
     temperature = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    prompts = load_prompts("mixed")
-    batch = [prompts[i % len(prompts)] for i in range(c)]
-    native = LLM(CHECKPOINT, **ENGINE_ARGS)
-    llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d1,
-                                              "schedule": "pipelined"}, **ENGINE_ARGS)
+    batch, native, llm = native_and_pipelined(d1, k, c)
     for engine in (native, llm):
         decode_trial(engine, batch, 16, temperature=temperature)
     native_trial = decode_trial(native, batch, 128, profile=True, temperature=temperature)
