@@ -1,7 +1,9 @@
 """What the sampled pipelined decider costs per tick, alone (no engine): one
 proposal and one verification of a seeded (and of an unseeded) row over a
-4096-token vocabulary, ``process`` as the drafter's (the rows' temperatures
-gathered, top-k/top-p none, a softmax), 2000 ticks, the best of three.
+4096-token vocabulary, ``process`` as the drafter's (one temperature for
+the tick's rows, top-k/top-p none, a softmax; before the nineteenth
+session the drafter gathered the rows' temperatures, a few operations
+more), 2000 ticks, the best of three.
 
     .venv/bin/python benchmarks/probes/sampled_decider_cost.py [threads] [label]
 
@@ -27,13 +29,8 @@ def per_tick_us(seeded: bool, ticks: int = 2000) -> float:
 
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
-    temperatures = torch.tensor([0.8])
-
-    def process(logits, rows):  # as LoopSpecDrafter._pipeline_decider's
-        temperature = temperatures[torch.tensor(rows, device=logits.device)].float()
-        temperature = torch.where(temperature > 0, temperature, 1.0)
-        return apply_top_k_top_p(logits.float() / temperature.unsqueeze(-1), None, None).softmax(
-            dim=-1, dtype=torch.float32)
+    def process(logits, rows):  # as LoopSpecDrafter._pipeline_decider's: one temperature, no top-k/top-p
+        return apply_top_k_top_p(logits.float() / 0.8, None, None).softmax(dim=-1, dtype=torch.float32)
 
     generators = {0: torch.Generator().manual_seed(1)} if seeded else {}
     decider = pipeline.SampledDecider(process, {0: True}, generators)

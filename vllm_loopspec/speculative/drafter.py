@@ -623,16 +623,25 @@ class LoopSpecDrafter:
         meta = batch.sampling_metadata
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
+        # Each row's temperature on the host, once per step (greedy rows: 1,
+        # unused); a tick divides by one scalar where its rows share one.
+        temperatures = {r: float(batch.temperature_cpu[r]) if sampled[r] else 1.0 for r in sampled}
+        truncates = meta.top_k is not None or meta.top_p is not None
+
         def process(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
             """As vLLM's rejection sampler processes the target: temperature,
-            top-k, top-p, softmax (greedy rows: temperature 1, unused)."""
-            index = torch.tensor(rows, device=logits.device)
-            temperature = meta.temperature[index].float()
-            temperature = torch.where(temperature > 0, temperature, 1.0)
-            top_k = meta.top_k[index] if meta.top_k is not None else None
-            top_p = meta.top_p[index] if meta.top_p is not None else None
-            return apply_top_k_top_p(logits.float() / temperature.unsqueeze(-1), top_k, top_p).softmax(
-                dim=-1, dtype=torch.float32)
+            top-k, top-p, softmax."""
+            values = {temperatures[r] for r in rows}
+            if len(values) == 1:
+                scaled = logits.float() / values.pop()
+            else:
+                scaled = logits.float() / host_tensor([temperatures[r] for r in rows], np.float32).to(
+                    logits.device, non_blocking=True).unsqueeze(-1)
+            if truncates:
+                index = host_tensor(rows).to(logits.device, non_blocking=True)
+                scaled = apply_top_k_top_p(scaled, meta.top_k[index] if meta.top_k is not None else None,
+                                           meta.top_p[index] if meta.top_p is not None else None)
+            return scaled.softmax(dim=-1, dtype=torch.float32)
 
         generators = {r: meta.generators[r] for r in sampled if sampled[r] and r in meta.generators}
         return SampledDecider(process, sampled, generators)

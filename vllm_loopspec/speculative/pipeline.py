@@ -334,7 +334,8 @@ class SampledDecider:
             return out
         sampled.sort(key=lambda i: slots[i][0])  # a row's slots adjacent (stable: in slot order)
         rows = [slots[i][0] for i in sampled]
-        p = self.process(logits[sampled], rows)
+        in_order = sampled == list(range(len(slots)))
+        p = self.process(logits if in_order else logits[sampled], rows)
         n_propose, n_refined = len(propose), len(propose) + len(refine)
         # A proposal draws from its processed distribution; a refinement or
         # verification keeps its successor's proposal c ~ q with
@@ -344,9 +345,13 @@ class SampledDecider:
         # (float64) at the slot's first uniform; the acceptance test uses
         # its second, independent of the draw, so the decided token follows
         # p. (On CPU the CDF costs about half the exponential race's noise,
-        # which needs a uniform and a log per vocabulary entry.)
-        stepped = any(i >= n_propose for i in sampled)
+        # which needs a uniform and a log per vocabulary entry.) The tests
+        # themselves run on the host, over the two probabilities each slot
+        # reads: a tick is a few dozen operations of microseconds each.
+        stepped = [k for k, i in enumerate(sampled) if i >= n_propose]  # positions in ``sampled``
         weights = p
+        uniform = self._uniforms(rows, p.device)
+        kept = {}
         if stepped:
             zero = p.new_zeros(p.shape[-1])
             q = torch.stack([self.proposal_q.pop(slots[i]) if i >= n_propose else zero for i in sampled])
@@ -354,16 +359,15 @@ class SampledDecider:
             # No residual mass (p <= q everywhere, p = q up to rounding): the
             # draw, used only if rounding rejects c, is from p itself.
             weights = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
-        uniform = self._uniforms(rows, p.device)
+            c = [proposals[sampled[k] - n_propose] for k in stepped]
+            at = (host_tensor(stepped).to(p.device, non_blocking=True), host_tensor(c).to(p.device, non_blocking=True))
+            qc, pc = torch.stack([q[at], p[at]]).tolist()
+            second = uniform[:, 1].tolist()
+            kept = {k: token for k, token, qk, pk in zip(stepped, c, qc, pc) if qk > 0 and second[k] * qk < pk}
         cdf = weights.double().cumsum_(dim=-1)
         draws = torch.searchsorted(cdf, uniform[:, :1] * cdf[:, -1:], right=True)[:, 0].clamp_max_(p.shape[-1] - 1)
-        if stepped:
-            c = torch.tensor([proposals[i - n_propose] if i >= n_propose else 0 for i in sampled],
-                             device=p.device)[:, None]
-            qc, pc = q.gather(1, c)[:, 0], p.gather(1, c)[:, 0]
-            draws = torch.where((qc > 0) & (uniform[:, 1] * qc < pc), c[:, 0], draws)
         for k, (i, token) in enumerate(zip(sampled, draws.tolist())):
-            out[i] = token
+            out[i] = kept.get(k, token)
             if i < n_refined:  # a proposal, or a refined successor (now a draw from p): verification uses p
                 self.proposal_q[slots[i]] = p[k]
             else:
