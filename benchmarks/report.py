@@ -979,6 +979,10 @@ def main() -> None:
         lines += pipelined_section(rerun_19) + [
             f"![pipelined, nineteenth session](results/plots/"
             f"{plot_pipelined(rerun_19, 'pipelined_speedup_nineteenth.png')})", ""]
+    t08_c1 = load("pipelined_t08_c1_nineteenth.json")
+    if t08_c1:
+        lines += ["#### T=0.8 at c=1 again, ten repeats (ten prompts), after the cheaper sampled decider", ""]
+        lines += pipelined_section(t08_c1)
     ceiling = load("pipeline_ceiling.json")
     if ceiling:
         lines += ["### Ceiling priced before the engine schedule was built", ""]
