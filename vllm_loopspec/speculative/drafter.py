@@ -468,7 +468,6 @@ class LoopSpecDrafter:
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
         """The model forward of a step with drafts: returns loop-``R`` exit
         states of every scheduled token, with the drafts handed to vLLM."""
-        self.model.precomputed_logits = None
         if self._step_pipelined:
             return self.run_pipelined_step(self.layout(spec_metadata, common), input_ids, positions,
                                            spec_metadata, common)
