@@ -194,8 +194,8 @@ def test_auto_step_chosen_pipelined_runs_plain_when_requests_arrive(loopspec_llm
 
 def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_llms, prompts, native_reference):
     """A plain verdict's hold (ScheduleChoice.hold) runs the next steps plain
-    without a choice, and credits them to the chooser; a request joining
-    ends it, so the next step is chosen for the new batch."""
+    without a choice, and credits them to the chooser with their time; a
+    request joining ends it, so the next step is chosen for the new batch."""
     from vllm_loopspec.speculative.schedule_choice import PLAIN, ScheduleChoice
 
     llm = engine(loopspec_llms, AUTO)
@@ -207,7 +207,10 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
         calls.append((step, width))
         return ScheduleChoice(PLAIN, "faster", hold=5)
 
-    chooser.choose, chooser.credit_held = choose, credited.append
+    def credit_held(steps, timed=0, seconds=0.0):
+        credited.append((steps, timed, seconds))
+
+    chooser.choose, chooser.credit_held = choose, credit_held
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     arrival = None
     try:
@@ -226,4 +229,8 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     alone = [s for s, width in calls if s < arrival]
     assert alone and all(b - a == 6 for a, b in zip(alone, alone[1:])), calls
     assert (arrival, 2) in calls, calls  # the step the second request joined: the hold ended there
-    assert sum(credited) + len(calls) >= step - 2 and set(credited) <= set(range(1, 6))
+    held = [steps for steps, _, _ in credited]
+    assert sum(held) + len(calls) >= step - 2 and set(held) <= set(range(1, 6))
+    # Every held step ran: the steps between the first and the last held
+    # start are timed as one plain sample.
+    assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited

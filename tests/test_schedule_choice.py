@@ -1,7 +1,7 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
-from vllm_loopspec.speculative.schedule_choice import (ARMS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
+from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, RETRY_TIME_SHARE, ScheduleChoice,
                                                       ScheduleChooser)
 
@@ -95,23 +95,24 @@ def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
     assert 0 < tried <= 1.1 * RETRY_TIME_SHARE * spent
 
 
-def _run_holding(chooser, width, mix, rates, steps, seconds):
+def _run_holding(chooser, width, mix, rates, steps, seconds, context=0):
     """As :func:`_run`, but as the engine runs a plain hold: the held steps
-    are plain, neither chosen nor observed, and credited at the next choice."""
+    are plain, not chosen, and credited at the next choice with the time
+    from the first held step's start to the last one's."""
     made, held, left = [], 0, 0
     for _ in range(steps):
         if left:
             left, held = left - 1, held + 1
             made.append(ScheduleChoice(PLAIN, "held"))
             continue
-        chooser.credit_held(held)
+        chooser.credit_held(held, held - 1, (held - 1) * seconds[PLAIN])
         held = 0
-        choice = chooser.choose(width, mix)
+        choice = chooser.choose(width, mix, context)
         made.append(choice)
         left = choice.hold
         step = seconds[choice.arm]
-        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step)
-    chooser.credit_held(held)
+        chooser.observe(width, mix, choice.arm, rates[choice.arm] * step, step, context)
+    chooser.credit_held(held, held - 1, (held - 1) * seconds[PLAIN])
     return made
 
 
@@ -163,7 +164,34 @@ def test_a_new_context_bucket_starts_from_its_neighbour():
     _run(chooser, 8, SAMPLED, rates, 2 * MEASURE)
     first = chooser.choose(8, SAMPLED, context=100)
     assert first.arm == PLAIN and first.reason == "faster"
-    assert chooser.rates(8, SAMPLED, 100)[PIPELINED][1] >= MIN_SAMPLES
+    assert chooser.rates(8, SAMPLED, 100)[PIPELINED][1] == BORROWED_STEPS
+
+
+def test_held_plain_steps_are_timed_as_one_sample_of_the_plain_arm():
+    chooser = ScheduleChooser()
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120}
+    rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
+    made = _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, seconds)
+    assert made[-1].arm == PLAIN and made[-1].hold > 0
+    before = chooser.rates(8, SAMPLED)[PLAIN][1]
+    chooser.credit_held(made[-1].hold, made[-1].hold - 1, (made[-1].hold - 1) * 0.004)
+    assert chooser.rates(8, SAMPLED)[PLAIN][1] == before + 1
+    assert chooser._keys[(3, SAMPLED, 0)].arms[PLAIN].recent[-1] == (1 / 0.004, 0.004)
+
+
+def test_a_plain_verdict_borrowed_from_a_shorter_context_yields_to_its_own_holds():
+    """Plain steps won at short contexts; at longer ones they are slower
+    than the policy's rounds. The longer context's bucket starts from the
+    plain verdict it borrowed, and its holds' timing overturns it within
+    two holds, with no try of the policy needed."""
+    chooser = ScheduleChooser()
+    rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
+    _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120})
+    slower = {PLAIN: 0.008, POLICY: 0.006, PIPELINED: 0.120}
+    made = _run_holding(chooser, 8, SAMPLED, {**rates, PLAIN: 1000.0}, 2 * HOLD_STEPS + 4, slower, context=100)
+    assert made[0].arm == PLAIN and made[0].reason == "faster"
+    assert not any(c.reason == "retry" for c in made)
+    assert made[-1] == ScheduleChoice(POLICY, "faster")
 
 
 def test_a_clear_loser_measured_once_still_seeds_the_next_context_bucket():
@@ -187,7 +215,7 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
         chooser.observe(8, SAMPLED, POLICY, 8, 0.006)
     first = chooser.choose(8, SAMPLED, context=100)
     assert first == ScheduleChoice(PIPELINED, "measure")
-    assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, MIN_SAMPLES)
+    assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, BORROWED_STEPS)
 
 
 def test_an_arm_of_long_steps_is_measured_in_half_the_steps():

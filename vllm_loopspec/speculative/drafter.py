@@ -117,6 +117,9 @@ class LoopSpecDrafter:
         # chooser, and whether the next step is one of them.
         self._hold_left = self._hold_width = self._held_steps = 0
         self._next_held = False
+        # The starts of the first and last held steps that ran, and how many ran.
+        self._held_first = self._held_last = 0.0
+        self._held_started = 0
         self.proposed_drafts = True  # whether the last (synchronous) proposal drafted anything
 
     # -- vLLM's proposer interface -------------------------------------------
@@ -216,8 +219,11 @@ class LoopSpecDrafter:
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
                 if self._held_steps:
-                    self.chooser.credit_held(self._held_steps)
-                    self._held_steps = 0
+                    # The steps between the first and the last held start:
+                    # plain steps of one width, one after another.
+                    self.chooser.credit_held(self._held_steps, self._held_started - 1,
+                                             self._held_last - self._held_first)
+                    self._held_steps = self._held_started = 0
                 context = int(batch.num_tokens_no_spec[where].sum()) // len(decoding_rows)
                 # The step that just ran is observed when the next starts: the
                 # chooser waits for it before measuring a long arm again.
@@ -411,6 +417,11 @@ class LoopSpecDrafter:
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
         after, self._running_arm = self._running_arm, PLAIN if held else None
+        if held:
+            if not self._held_started:
+                self._held_first = now
+            self._held_last = now
+            self._held_started += 1
         scheduled = scheduler_output.num_scheduled_tokens
         spec = scheduler_output.scheduled_spec_decode_tokens
         if self._hold_left and (len(scheduled) != self._hold_width

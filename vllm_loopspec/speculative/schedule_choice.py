@@ -41,8 +41,9 @@ takes as long as one after a pipelined one: the same probe). A step is
 observed when the next one starts, so a long arm's step in flight is not
 followed by another before it is seen (one may show it losing).
 
-An arm with no steps at a key borrows the recent steps of an adjacent
-context bucket (same width bucket and mix) where it was measured; the arms
+An arm with no steps at a key borrows the last few steps
+(:data:`BORROWED_STEPS`) of an adjacent context bucket (same width bucket
+and mix) where it was measured, and counts as measured; the arms
 still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first sample
 clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
@@ -55,7 +56,9 @@ the winner has run long enough for
 the try to cost at most :data:`RETRY_TIME_SHARE` of the time. A plain
 winner's verdict says how many steps no try can be due in
 (:attr:`ScheduleChoice.hold`): the engine runs them plain without asking,
-while its batch stays the same, and credits them (:meth:`credit_held`).
+while its batch stays the same, and credits them (:meth:`credit_held`),
+timed as one sample of the plain arm: a plain verdict is checked by the
+plain steps it holds, not only by the one chosen step between holds.
 
 A pure object, tested without an engine (``tests/test_schedule_choice.py``).
 """
@@ -85,6 +88,7 @@ CLEAR_LOSS = 0.7
 # shared machine a step now and then takes three times its usual time).
 LONG_STEP = 4
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
+BORROWED_STEPS = 3  # steps an arm new to a key takes from an adjacent key's
 # A speculative arm must beat the plain one by this share.
 SPECULATION_MARGIN = 0.03
 # Steps at a key between tries of a losing arm, first and longest: a
@@ -103,18 +107,23 @@ HOLD_STEPS = 32
 class _ArmRate:
     recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s/request, seconds) per step
     samples: int = 0
+    borrowed: bool = False  # started from an adjacent key's steps: measured enough to decide
     rate: float = 0.0  # median tokens/s per request of the recent steps
     step_seconds: float = 0.0  # their median seconds
 
-    def update(self, tokens: int, seconds: float) -> None:
-        self.recent.append((tokens / seconds, seconds))
+    def update(self, tokens: float, seconds: float, steps: int = 1) -> None:
+        """``steps`` steps that committed ``tokens`` per request in ``seconds``."""
+        self.recent.append((tokens / seconds, seconds / steps))
         self.samples += 1
         self._summarise()
 
     def borrow(self, other: "_ArmRate") -> None:
-        """Start from ``other``'s recent steps (an adjacent key's)."""
-        self.recent.extend(other.recent)
+        """Start from ``other``'s last :data:`BORROWED_STEPS` steps (an
+        adjacent key's, measured there): few, so that this key's own steps
+        outweigh them soon (an arm's rate changes with the context)."""
+        self.recent.extend(list(other.recent)[-BORROWED_STEPS:])
         self.samples = len(self.recent)
+        self.borrowed = True
         self._summarise()
 
     def _summarise(self) -> None:
@@ -234,14 +243,21 @@ class ScheduleChooser:
                         math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9)) - key.since_retry, 0)
         return ScheduleChoice(winner, "faster", hold=int(min(until_due, HOLD_STEPS)))
 
-    def credit_held(self, steps: int) -> None:
-        """``steps`` plain steps ran on the last choice's hold (at its key)."""
+    def credit_held(self, steps: int, timed: int = 0, seconds: float = 0.0) -> None:
+        """``steps`` plain steps ran on the last choice's hold (at its key);
+        ``timed`` of them, in a row, took ``seconds`` (start to next start).
+        Those are one sample of the plain arm: without it a plain verdict
+        would rest on the chosen steps between holds alone (one in
+        :data:`HOLD_STEPS`), and on the samples it started from, perhaps an
+        adjacent context's (:meth:`_fill_from_neighbours`)."""
         key = self._last_key
         if key is None or steps <= 0:
             return
         key.steps += steps
         key.since_retry += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
+        if timed > 0 and seconds > 0:
+            key.arms[PLAIN].update(timed, seconds, steps=timed)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
                 after: str | None = None) -> None:
@@ -334,7 +350,7 @@ def _where(width: int, mix: int, context: int) -> tuple[int, int, int]:
 
 def _measured(key: _Key, arm: str) -> bool:
     rate = key.arms[arm]
-    if rate.samples >= MIN_SAMPLES:
+    if rate.samples >= MIN_SAMPLES or rate.borrowed:
         return True
     others = [r for a, r in key.arms.items() if a != arm and r.samples >= MIN_SAMPLES // 2]
     if not rate.samples or not others:
