@@ -69,9 +69,16 @@ MAX_MODEL_LEN = 1024
 
 # -- arms ---------------------------------------------------------------------
 
+SECOND_NATIVE = "native (second engine)"
+
+
 def arm_specs(args) -> dict[str, dict | None]:
     """Arm name -> vLLM ``speculative_config`` (None = native)."""
     arms: dict[str, dict | None] = {"native": None}
+    if args.native_twice:
+        # The same native engine built twice: how far two engines of one
+        # computation differ here, the floor under any ratio to native.
+        arms[SECOND_NATIVE] = None
     for d in args.draft_loops:
         for k in args.ks:
             arms[f"loopspec d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
@@ -318,6 +325,9 @@ def main() -> None:
     ap.add_argument("--pipelined-second-loops", type=int, nargs="*", default=[],
                     help="also each pipelined arm with second_proposal_loop at these d2 (where d1 divides d2)")
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compile mode (not enforce_eager)")
+    ap.add_argument("--native-twice", action="store_true",
+                    help=f"add a second native engine ({SECOND_NATIVE!r}): the spread between two engines of the "
+                         "same computation")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
     args = ap.parse_args()
@@ -367,7 +377,7 @@ def main() -> None:
                 summary = summarize(runs[cell][c][name])
                 summary["speedup"] = summary["median_tokens_per_s"] / native["median_tokens_per_s"]
                 summary["split_ms"] = per_step_split(profiles[name])
-                spec = specs[name]
+                spec = specs[name] or {"method": None}
                 if spec["method"] == "loopspec" and spec.get("schedule") == "pipelined" \
                         and spec.get("second_proposal_loop") is not None:
                     summary["pipeline"] = pipeline_summary(runs[cell][c][name], profiles["native"], None, 0, 0, loops)

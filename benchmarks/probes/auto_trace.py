@@ -2,7 +2,9 @@
 sweep's workload of one cell, 6 repeats (new prompts each), printing per
 repeat the throughput ratio (whole generate calls, prefill included), each
 step's arm, largest K and milliseconds to the next step's start
-(``pip16:42``; ``-``: not a chosen step), and the chooser's choices
+(``pip16:42``; ``-``: not a chosen step; a trailing ``x``: a chosen
+step that is no sample of its arm, the first of its shape or the
+policy's warm-up), and the chooser's choices
 (arm/reason); at the end its decisions and rates per key. Prints only.
 
     python benchmarks/probes/auto_trace.py D WIDTH TEMPERATURE short|long
@@ -34,8 +36,13 @@ def main():
     started = drafter.step_started
 
     def logged_step_started(so):
+        held = drafter._next_held  # a held plain step: credited, never a sample
         started(so)
-        log.append(["step", drafter.step_arm, drafter.step_drafts, so.total_num_scheduled_tokens, time.perf_counter()])
+        # Whether the step will be a sample of its arm ("x": excluded as the
+        # first of its shape or the policy's warm-up).
+        kept = drafter.step_arm is None or drafter._choice_step is not None or held
+        log.append(["step", drafter.step_arm, drafter.step_drafts, so.total_num_scheduled_tokens, time.perf_counter(),
+                    "" if kept else "x"])
 
     drafter.step_started = logged_step_started
     params = SamplingParams(max_tokens=toks, temperature=temp, ignore_eos=True)
@@ -52,7 +59,7 @@ def main():
         seq = []
         for i, e in enumerate(steps):
             dt = (steps[i + 1][4] - e[4]) * 1e3 if i + 1 < len(steps) else 0
-            seq.append(f"{(e[1] or '-')[:3]}{e[2]}:{dt:.0f}")
+            seq.append(f"{(e[1] or '-')[:3]}{e[2]}:{dt:.0f}{e[5]}")
         chooses = [f"{e[3][:3]}/{e[4][:2]}" for e in log if e[0] == "choose"]
         print(f"rep {rep} ratio {tn/ta:.2f} steps {len(steps)}")
         print("   ", " ".join(seq))

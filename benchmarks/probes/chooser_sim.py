@@ -1,0 +1,186 @@
+"""Issue 13 diagnostic: replay a sweep's cell order through the real
+:class:`~vllm_loopspec.speculative.schedule_choice.ScheduleChooser`, with
+each arm's step time and tokens per step taken from that sweep's fixed arms,
+to see what ``"auto"`` loses to learning and tries alone, apart from the
+machine's noise. No engine: seconds of CPU.
+
+Per cell (setting, width, temperature) and auto engine of depth ``d``, the
+arms are modelled from the sweep's medians: ``plain`` by native (one token
+per request a step), ``pipelined`` by the fixed pipelined arm of ``d``
+(``pipelined d1 K16 s2`` for d1), ``policy`` by the best fixed round of ``d``
+(the policy chooses its K). A step's time is its arm's mean times a
+log-normal factor (``--noise``); the first plain step after a speculative
+one is :data:`SWITCH_PENALTY` slower (``arm_rates_forced.json``). The
+drafter's rules are modelled: the first step of an arm at a width is no
+sample (a new shape), the policy's first :data:`POLICY_WARMUP` steps in the
+engine are its warm-up (no samples), a step is observed when the next
+starts, held plain steps are credited. Requests of a cell start and finish
+together. Each repeat of each cell is compared with the best single arm
+(what a fixed arm at its best would take) and with plain steps (native).
+
+    python benchmarks/probes/chooser_sim.py benchmarks/results/SWEEP.json [--seeds 5] [--noise 0.08]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from vllm_loopspec.speculative import schedule_choice as sc  # noqa: E402
+
+SWITCH_PENALTY = 1.17  # the first plain step after a speculative one
+POLICY_WARMUP = 12  # policy steps before its cost model exists (engine-wide)
+PROMPT_TOKENS = {"short": 36, "long": 395}  # mean prompt lengths of the mixed and long sets
+
+
+def arms_of(cell: dict, raw: dict, c: int, d: int) -> dict[str, tuple[float, float]] | None:
+    """Per arm: (seconds per step, tokens per request per step)."""
+    native = cell["native"]["median_tokens_per_s"]
+    pip_name = f"pipelined d{d} K16 s2" if f"pipelined d{d} K16 s2" in cell else f"pipelined d{d} K16"
+    rounds = {k: v for k, v in cell.items() if k.startswith(f"loopspec d{d} K")}
+    if pip_name not in cell or not rounds:
+        return None
+    out = {sc.PLAIN: (c / native, 1.0)}
+    for arm, name in ((sc.PIPELINED, pip_name), (sc.POLICY, max(rounds, key=lambda k: rounds[k]["median_tokens_per_s"]))):
+        tokps = cell[name]["median_tokens_per_s"]
+        runs = raw[name]
+        per_step = statistics.median(r["tokens"] / r["steps"] / c for r in runs)
+        out[arm] = (c * per_step / tokps, per_step)
+    return out
+
+
+class Engine:
+    """One auto engine's chooser and the drafter's rules around it."""
+
+    held_samples = True
+    spikes = 0.0
+
+    def __init__(self, rng: random.Random, noise: float):
+        self.chooser = sc.ScheduleChooser()
+        self.rng, self.noise = rng, noise
+        self.shapes: set[tuple[str, int]] = set()
+        self.policy_steps = 0
+        self.last_arm: str | None = None
+
+    def run(self, c: int, mix: int, prompt: int, new_tokens: int, arms: dict, host: float = 1.0) -> float:
+        """Seconds to decode one cell's batch."""
+        ch, done, context, seconds = self.chooser, 0.0, prompt, 0.0
+        pending = None  # the last chosen step, observed at the next start: (width, arm, committed, s, ctx, after)
+        hold, after, held_starts = 0, None, []
+        self.trace = []
+        while done < new_tokens:
+            if hold:
+                hold -= 1
+                arm, sampled, held = sc.PLAIN, False, True
+                held_starts.append(seconds)
+            else:
+                if held_starts:  # the drafter's credit: steps between the first and last held start
+                    ch.credit_held(len(held_starts), (len(held_starts) - 1) * self.held_samples,
+                                   held_starts[-1] - held_starts[0])
+                    held_starts = []
+                in_flight = pending[1] if pending else None
+                choice = ch.choose(c, mix, context, in_flight)
+                arm, hold, held = choice.arm, choice.hold, False
+                sampled = (arm, c) in self.shapes
+                self.shapes.add((arm, c))
+                if arm == sc.POLICY:
+                    self.policy_steps += 1
+                    sampled = sampled and self.policy_steps > POLICY_WARMUP
+            if pending is not None:  # observed at this step's start
+                w, parm, committed, s, ctx, paft = pending
+                ch.observe(w, mix, parm, committed, s, ctx, after=paft)
+                pending = None
+            self.trace.append(arm[:2] + ("h" if held else "" if hold is None else choice.reason[:1]))
+            step_s, per_step = arms[arm]
+            step_s *= host * self.rng.lognormvariate(0.0, self.noise)
+            if self.rng.random() < self.spikes:
+                step_s *= 3.0  # now and then a step of this shared machine takes three times its usual time
+            if arm == sc.PLAIN and self.last_arm not in (None, sc.PLAIN):
+                step_s *= SWITCH_PENALTY
+            committed = min(per_step, new_tokens - done)
+            step_s *= committed / per_step if arm != sc.PLAIN else 1.0  # a last step drafts what is left
+            if sampled and not held:
+                pending = (c, arm, committed * c, step_s, context, after)
+            after = arm
+            self.last_arm = arm
+            done += committed
+            context += committed
+            seconds += step_s
+        if held_starts:
+            ch.credit_held(len(held_starts), len(held_starts) - 1, held_starts[-1] - held_starts[0])
+        return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("sweep", type=Path)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--noise", type=float, default=0.08)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--drift", type=float, default=0.0, help="first repeat this much slower than the last")
+    ap.add_argument("--phase", type=float, default=0.0, help="log-normal sigma of the machine's speed per trial")
+    ap.add_argument("--spikes", type=float, default=0.0, help="share of steps that take three times as long")
+    ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="override a constant of schedule_choice, e.g. RETRY_TIME_SHARE=0.03")
+    ap.add_argument("--no-held-samples", action="store_true", help="held plain steps are credited, not timed")
+    ap.add_argument("--trace", help='one cell\'s steps per repeat (seed 0), e.g. "short c8 d2"')
+    args = ap.parse_args()
+    rec = json.loads(args.sweep.read_text())
+    for item in args.set:
+        name, value = item.split("=")
+        setattr(sc, name, type(getattr(sc, name))(value))
+    Engine.held_samples = not args.no_held_samples
+    Engine.spikes = args.spikes
+    settings = rec["settings"]
+    cells = [(t, s) for t in rec["temperatures"] for s in settings]
+    key = (lambda t, s: s if not t else f"{s} T{t:g}")
+    loss = {}  # (cell, c, d) -> [auto/best ratios over seeds x repeats]
+    for seed in range(args.seeds):
+        rng = random.Random(seed)
+        for d in (1, 2, 3):
+            engine = Engine(rng, args.noise)
+            for rep in range(args.repeats):
+                for t, s in cells:
+                    for c in rec["concurrency"]:
+                        name = key(t, s)
+                        arms = arms_of(rec["results"][name][str(c)], rec["raw"][name][str(c)], c, d)
+                        if arms is None:
+                            continue
+                        new_tokens = settings[s]["new_tokens"]
+                        mix = 2 if t else 0
+                        # The machine's speed in this trial: a trend over the run
+                        # (the sweeps' first repeats ran up to 1.6x slower) and
+                        # a phase per trial.
+                        host = (1 + args.drift * (args.repeats - 1 - rep) / max(args.repeats - 1, 1)) \
+                            * rng.lognormvariate(0.0, args.phase)
+                        auto = engine.run(c, mix, PROMPT_TOKENS[s], new_tokens, arms, host)
+                        spiked = 1 + 2 * args.spikes  # the spikes' mean cost, which a fixed arm pays too
+                        best = min(a[0] / a[1] for a in arms.values()) * new_tokens * host * spiked
+                        plain = arms[sc.PLAIN][0] * new_tokens * host * spiked
+                        loss.setdefault((name, c, d), []).append((rep, best / auto, plain / auto))
+                        if args.trace and seed == 0 and f"{name} c{c} d{d}" == args.trace:
+                            print(rep, f"{best / auto:.2f}", " ".join(engine.trace))
+    print(f"{'cell':10s} {'c':>3s} {'d':>2s}  auto/best-arm by repeat (median over seeds)  auto/native  median")
+    met = {d: [0, 0, 0] for d in (1, 2, 3)}
+    for (name, c, d), rows in loss.items():
+        by_rep = [statistics.median(r[1] for r in rows if r[0] == rep) for rep in range(args.repeats)]
+        vs_best = statistics.median(r[1] for r in rows)
+        vs_native = statistics.median(r[2] for r in rows)
+        met[d][0] += 1
+        met[d][1] += vs_best >= 0.95
+        met[d][2] += vs_native >= 0.97
+        print(f"{name:10s} {c:3d} {d:2d}  {' '.join(f'{x:.2f}' for x in by_rep)}   {vs_native:.2f}   {vs_best:.2f}")
+    print(f"mean of medians: {statistics.mean(statistics.median(r[1] for r in rows) for rows in loss.values()):.4f} "
+          f"of the best arm, {statistics.mean(statistics.median(r[2] for r in rows) for rows in loss.values()):.4f} "
+          "of native")
+    for d, (n, best, native) in met.items():
+        print(f"d{d}: within 5% of its best arm in {best}/{n}, >= 0.97x native in {native}/{n}")
+
+
+if __name__ == "__main__":
+    main()
