@@ -453,6 +453,9 @@ def adaptive_suffix(rec: dict) -> str:
     return " auto" if any(n.endswith(" auto") for n in rec.get("arms", {})) else " adaptive"
 
 
+SECOND_NATIVE = "native (second engine)"  # kv_sweep.py --native-twice
+
+
 def is_fixed_arm(name: str, d: int | None = None) -> bool:
     """A fixed round (``loopspec dD KK``) or fixed pipelined arm, at ``d`` if given."""
     prefix = "" if d is None else f"d{d} "
@@ -482,6 +485,7 @@ def adaptive_section(rec: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|" + ("---|" if round_policy else "")]
     ok_native = ok_best = cells = paired_native = paired_best = 0
     round_native = round_best = 0  # the round policy's, where the run has it beside "auto"
+    twins = []  # a second native engine against the first, where the run has one (kv_sweep --native-twice)
     for cell, by_c in rec["results"].items():
         for c, row in by_c.items():
             native = row["native"]["median_tokens_per_s"]
@@ -501,6 +505,9 @@ def adaptive_section(rec: dict) -> list[str]:
             vs_fixed = paired_ratio(raw, best_adaptive, best_fixed)
             paired_native += vs_native is not None and vs_native >= 0.97
             paired_best += vs_fixed is not None and vs_fixed >= 0.95
+            if SECOND_NATIVE in row:
+                twins.append((row[SECOND_NATIVE]["median_tokens_per_s"] / native,
+                              paired_ratio(raw, SECOND_NATIVE, "native")))
             per_d = [fmt(adaptive[n]["median_tokens_per_s"], 0) if n in adaptive else "–"
                      for n in (f"loopspec d{d}{suffix}" for d in (1, 2, 3))]
             extra = ""
@@ -520,6 +527,14 @@ def adaptive_section(rec: dict) -> list[str]:
               f"{paired_native} of {cells}; within 5% of the best fixed (d, K) in {paired_best} of {cells}."
               + (f" The round policy in the same run, at its best d: ≥ 0.97× native in {round_native} of {cells}; "
                  f"within 5% of the best fixed (d, K) in {round_best} of {cells}." if round_policy else ""), ""]
+    if twins:
+        ratios = sorted(r for r, _ in twins)
+        paired = sorted(p for _, p in twins if p is not None)
+        lines += [f"The same native engine built a second time, against the first (the spread of two engines "
+                  f"of one computation in this run, the floor under every ratio above): "
+                  f"{fmt(ratios[0])}–{fmt(ratios[-1])}× by median over the {len(ratios)} cells "
+                  f"(paired {fmt(paired[0])}–{fmt(paired[-1])}×); ≥ 0.97× in {sum(r >= 0.97 for r in ratios)} "
+                  f"of {len(ratios)} cells (paired {sum(p >= 0.97 for p in paired)}).", ""]
     policies = rec.get("adaptive_policies", {})
     if policies:
         lines += ["Policy state after the sweep (fitted seconds per step; decisions of its last 4096 steps):", ""]

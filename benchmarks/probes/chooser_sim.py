@@ -14,11 +14,17 @@ one is :data:`SWITCH_PENALTY` slower (``arm_rates_forced.json``). The
 drafter's rules are modelled: the first step of an arm at a width is no
 sample (a new shape), the policy's first :data:`POLICY_WARMUP` steps in the
 engine are its warm-up (no samples), a step is observed when the next
-starts, held plain steps are credited. Requests of a cell start and finish
-together. Each repeat of each cell is compared with the best single arm
-(what a fixed arm at its best would take) and with plain steps (native).
+starts, held plain steps are credited and timed. Requests of a cell start
+and finish together. The machine: ``--drift`` (the first repeat this much
+slower than the last, as in the sweeps), ``--phase`` (a log-normal speed
+per trial), ``--spikes`` (a share of steps taking three times as long).
+Each repeat of each cell is compared with the best single arm at the same
+machine speed (what a fixed arm at its best would take) and with plain
+steps (native); ``--set NAME=VALUE`` overrides a constant of
+:mod:`~vllm_loopspec.speculative.schedule_choice` to compare rules.
 
-    python benchmarks/probes/chooser_sim.py benchmarks/results/SWEEP.json [--seeds 5] [--noise 0.08]
+    python benchmarks/probes/chooser_sim.py benchmarks/results/SWEEP.json \
+        [--seeds 12] [--drift 0.3 --phase 0.15 --spikes 0.03] [--trace "long c16 d2"]
 """
 from __future__ import annotations
 
