@@ -17,10 +17,11 @@ engine are its warm-up (no samples), a step is observed when the next
 starts, held plain steps are credited and timed. Requests of a cell start
 and finish together. The machine: ``--drift`` (the first repeat this much
 slower than the last, as in the sweeps), ``--phase`` (a log-normal speed
-per trial), ``--spikes`` (a share of steps taking three times as long).
-Each repeat of each cell is compared with the best single arm at the same
-machine speed (what a fixed arm at its best would take) and with plain
-steps (native); ``--set NAME=VALUE`` overrides a constant of
+per trial), ``--spikes`` (a share of steps taking three times as long,
+in spells of ``--spike-run`` steps).
+Each repeat of each cell is compared with an engine running the best
+single arm throughout and one running plain steps (native), on the same
+machine model with draws of their own; ``--set NAME=VALUE`` overrides a constant of
 :mod:`~vllm_loopspec.speculative.schedule_choice` to compare rules.
 
     python benchmarks/probes/chooser_sim.py benchmarks/results/SWEEP.json \
@@ -65,6 +66,8 @@ class Engine:
 
     held_samples = True
     spikes = 0.0
+    spike_run = 1
+    spike_left = 0
 
     def __init__(self, rng: random.Random, noise: float):
         self.chooser = sc.ScheduleChooser()
@@ -103,9 +106,7 @@ class Engine:
                 pending = None
             self.trace.append(arm[:2] + ("h" if held else "" if hold is None else choice.reason[:1]))
             step_s, per_step = arms[arm]
-            step_s *= host * self.rng.lognormvariate(0.0, self.noise)
-            if self.rng.random() < self.spikes:
-                step_s *= 3.0  # now and then a step of this shared machine takes three times its usual time
+            step_s *= host * self._machine()
             if arm == sc.PLAIN and self.last_arm not in (None, sc.PLAIN):
                 step_s *= SWITCH_PENALTY
             committed = min(per_step, new_tokens - done)
@@ -118,8 +119,28 @@ class Engine:
             context += committed
             seconds += step_s
         if held_starts:
-            ch.credit_held(len(held_starts), len(held_starts) - 1, held_starts[-1] - held_starts[0])
+            ch.credit_held(len(held_starts), (len(held_starts) - 1) * self.held_samples,
+                           held_starts[-1] - held_starts[0])
         return seconds
+
+    def run_fixed(self, arm: str, new_tokens: int, arms: dict, host: float = 1.0) -> float:
+        """Seconds for an engine that runs ``arm`` every step, under the same machine."""
+        done, seconds = 0.0, 0.0
+        while done < new_tokens:
+            step_s, per_step = arms[arm]
+            committed = min(per_step, new_tokens - done)
+            seconds += step_s * committed / per_step * host * self._machine()
+            done += committed
+        return seconds
+
+    def _machine(self) -> float:
+        factor = self.rng.lognormvariate(0.0, self.noise)
+        if self.spike_left or self.rng.random() < self.spikes / self.spike_run:
+            # Now and then this shared machine runs three times slower,
+            # for spike_run steps in a row.
+            self.spike_left = (self.spike_left or self.spike_run) - 1
+            factor *= 3.0
+        return factor
 
 
 def main() -> None:
@@ -131,6 +152,7 @@ def main() -> None:
     ap.add_argument("--drift", type=float, default=0.0, help="first repeat this much slower than the last")
     ap.add_argument("--phase", type=float, default=0.0, help="log-normal sigma of the machine's speed per trial")
     ap.add_argument("--spikes", type=float, default=0.0, help="share of steps that take three times as long")
+    ap.add_argument("--spike-run", type=int, default=1, help="steps a slow spell lasts (same share of steps)")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
                     help="override a constant of schedule_choice, e.g. RETRY_TIME_SHARE=0.03")
     ap.add_argument("--no-held-samples", action="store_true", help="held plain steps are credited, not timed")
@@ -141,7 +163,7 @@ def main() -> None:
         name, value = item.split("=")
         setattr(sc, name, type(getattr(sc, name))(value))
     Engine.held_samples = not args.no_held_samples
-    Engine.spikes = args.spikes
+    Engine.spikes, Engine.spike_run = args.spikes, args.spike_run
     settings = rec["settings"]
     cells = [(t, s) for t in rec["temperatures"] for s in settings]
     key = (lambda t, s: s if not t else f"{s} T{t:g}")
@@ -165,9 +187,12 @@ def main() -> None:
                         host = (1 + args.drift * (args.repeats - 1 - rep) / max(args.repeats - 1, 1)) \
                             * rng.lognormvariate(0.0, args.phase)
                         auto = engine.run(c, mix, PROMPT_TOKENS[s], new_tokens, arms, host)
-                        spiked = 1 + 2 * args.spikes  # the spikes' mean cost, which a fixed arm pays too
-                        best = min(a[0] / a[1] for a in arms.values()) * new_tokens * host * spiked
-                        plain = arms[sc.PLAIN][0] * new_tokens * host * spiked
+                        # The best single arm and plain steps, each run by an
+                        # engine of its own on the same machine (its own draws).
+                        best_arm = min(arms, key=lambda a: arms[a][0] / arms[a][1])
+                        fixed = Engine(rng, args.noise)
+                        best = fixed.run_fixed(best_arm, new_tokens, arms, host)
+                        plain = fixed.run_fixed(sc.PLAIN, new_tokens, arms, host)
                         loss.setdefault((name, c, d), []).append((rep, best / auto, plain / auto))
                         if args.trace and seed == 0 and f"{name} c{c} d{d}" == args.trace:
                             print(rep, f"{best / auto:.2f}", " ".join(engine.trace))
