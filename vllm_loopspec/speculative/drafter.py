@@ -109,7 +109,7 @@ class LoopSpecDrafter:
         self._choice_step: tuple[int, int, int, str, str | None, float] | None = None
         self._choice_timed: tuple[int, int, int, str, str | None, float] | None = None
         self._running_arm: str | None = None  # the arm of the running step, if the chooser chose it
-        self._choice_shapes: set[tuple[str, int, int]] = set()  # (arm, drafts, tokens) of timed steps
+        self._choice_shapes: set[tuple[str, int]] = set()  # (arm, width) of timed steps
         self.step_drafts, self.step_arm = 0, None
         self._plain_arm_steps = 0  # "auto": steps of its plain arm
         # "auto": plain steps left on the chooser's hold (ScheduleChoice.hold),
@@ -432,11 +432,17 @@ class LoopSpecDrafter:
         if (choice is None or len(scheduled) != choice[0]
                 or not _decode_only(scheduler_output)):
             return
-        # Only steps that represent their arm: not the first of a shape (a
-        # new shape pays one-off work), not the policy's warm-up (it cycles
-        # K, the largest included, to fit its cost model).
+        # Only steps that represent their arm: not an arm's first step at a
+        # width (it may pay one-off work), not the policy's warm-up (it
+        # cycles K, the largest included, to fit its cost model). Not the
+        # first of each draft count and token count, as before: the
+        # policy's rounds vary both, so most of its steps were dropped and
+        # its measuring ran on (68 policy steps at width 8 in
+        # benchmarks/probes/auto_trace.py), while a first round of a new K
+        # took what later ones take (84 against 77-79 ms at K=16), and a
+        # rate is a median, which one slow step barely moves.
         arm = self._running_arm = choice[3]
-        shape = (arm, max((len(t) for t in spec.values()), default=0), scheduler_output.total_num_scheduled_tokens)
+        shape = (arm, len(scheduled))
         first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)
         if not first and not warming_up:

@@ -26,7 +26,7 @@ the median rate (committed tokens per request over seconds: a bucket spans
 widths, and a batch narrows as its requests finish) of its last
 :data:`RATE_WINDOW` steps: a median, because a step that met a new shape
 (kernel selection, compilation) costs many ordinary ones. The engine feeds only steps that
-represent their arm (not the first of a shape, not the policy's warm-up,
+represent their arm (not an arm's first step at a width, not the policy's warm-up,
 which cycles K to fit its cost model), and the chooser drops a step that
 follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 ``after``): the first plain step after a pipelined one runs 15-20% slower
