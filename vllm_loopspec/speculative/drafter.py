@@ -423,7 +423,6 @@ class LoopSpecDrafter:
             self._held_last = now
             self._held_started += 1
         scheduled = scheduler_output.num_scheduled_tokens
-        spec = scheduler_output.scheduled_spec_decode_tokens
         if self._hold_left and (len(scheduled) != self._hold_width
                                 or scheduler_output.total_num_scheduled_tokens != self._hold_width):
             # The batch changed (a request finished or joined, a prefill
