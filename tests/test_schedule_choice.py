@@ -341,3 +341,26 @@ def test_a_long_step_after_a_switch_counts_at_a_key_new_to_the_other_arm():
     chooser.observe(1, GREEDY, PLAIN, 1, 0.004, after=PLAIN)
     chooser.observe(17, SAMPLED, PIPELINED, 17 * 17, 0.150, context=80, after=PLAIN)
     assert chooser.rates(17, SAMPLED, 80)[PIPELINED][1] == 1 and chooser.switch_steps == 0
+
+
+def test_pairs_of_adjacent_steps_outweigh_windows_measured_at_other_speeds():
+    """The machine's speed drifts by tens of percent over seconds; a loser's
+    window holds its tries from a slow spell and the winner's its recent
+    steps from a fast one. Pairs of steps a few apart see one speed."""
+    chooser = ScheduleChooser()
+
+    def steps(arm, rate, seconds, n):
+        for _ in range(n):
+            chooser.observe(4, GREEDY, arm, 4 * rate * seconds, seconds)
+
+    steps(PIPELINED, 210.0, 0.04, MIN_SAMPLES)  # in a slow spell
+    steps(POLICY, 100.0, 0.02, MIN_SAMPLES + 1)
+    steps(PLAIN, 300.0, 0.01, 2 * MIN_SAMPLES)  # at full speed
+    assert chooser.choose(4, GREEDY).arm == PLAIN  # no pair of pipelined and plain steps yet
+    # Tries of the pipeline at full speed, each next to plain steps: their
+    # pairs say 1.4x plain though the pipeline's window still holds slow steps.
+    for _ in range(3):
+        steps(PIPELINED, 420.0, 0.04, 1)
+        steps(PLAIN, 300.0, 0.01, 1)
+    assert chooser.rates(4, GREEDY)[PIPELINED][0] < 300.0  # by its window, it still loses
+    assert chooser.choose(4, GREEDY).arm == PIPELINED

@@ -68,6 +68,9 @@ class Engine:
     spikes = 0.0
     spike_run = 1
     spike_left = 0
+    wander = 0.0  # stationary sigma of the machine's log speed, a random walk over seconds
+    wander_tau = 1.0  # its time constant, seconds
+    _log_speed = 0.0
 
     def __init__(self, rng: random.Random, noise: float):
         self.chooser = sc.ScheduleChooser()
@@ -106,7 +109,7 @@ class Engine:
                 pending = None
             self.trace.append(arm[:2] + ("h" if held else "" if hold is None else choice.reason[:1]))
             step_s, per_step = arms[arm]
-            step_s *= host * self._machine()
+            step_s *= host * self._machine(step_s)
             if arm == sc.PLAIN and self.last_arm not in (None, sc.PLAIN):
                 step_s *= SWITCH_PENALTY
             committed = min(per_step, new_tokens - done)
@@ -129,12 +132,18 @@ class Engine:
         while done < new_tokens:
             step_s, per_step = arms[arm]
             committed = min(per_step, new_tokens - done)
-            seconds += step_s * committed / per_step * host * self._machine()
+            seconds += step_s * committed / per_step * host * self._machine(step_s)
             done += committed
         return seconds
 
-    def _machine(self) -> float:
+    def _machine(self, seconds: float = 0.0) -> float:
         factor = self.rng.lognormvariate(0.0, self.noise)
+        if self.wander:
+            # The machine's speed wanders over seconds (an AR(1) log speed).
+            import math
+            keep = math.exp(-seconds / self.wander_tau)
+            self._log_speed = keep * self._log_speed + self.wander * math.sqrt(1 - keep * keep) * self.rng.gauss(0, 1)
+            factor *= math.exp(self._log_speed)
         if self.spike_left or self.rng.random() < self.spikes / self.spike_run:
             # Now and then this shared machine runs three times slower,
             # for spike_run steps in a row.
@@ -157,13 +166,20 @@ def main() -> None:
                     help="override a constant of schedule_choice, e.g. RETRY_TIME_SHARE=0.03")
     ap.add_argument("--no-held-samples", action="store_true", help="held plain steps are credited, not timed")
     ap.add_argument("--trace", help='one cell\'s steps per repeat (seed 0), e.g. "short c8 d2"')
+    ap.add_argument("--wander", type=float, default=0.0,
+                    help="sigma of the machine's log speed wandering within trials (time constant --wander-tau)")
+    ap.add_argument("--wander-tau", type=float, default=1.0)
+    ap.add_argument("--without-policy", action="store_true", help="auto's arms are plain and pipelined only")
     args = ap.parse_args()
+    if args.without_policy:
+        sc.ARMS = (sc.PLAIN, sc.PIPELINED)
     rec = json.loads(args.sweep.read_text())
     for item in args.set:
         name, value = item.split("=")
         setattr(sc, name, type(getattr(sc, name))(value))
     Engine.held_samples = not args.no_held_samples
     Engine.spikes, Engine.spike_run = args.spikes, args.spike_run
+    Engine.wander, Engine.wander_tau = args.wander, args.wander_tau
     settings = rec["settings"]
     cells = [(t, s) for t in rec["temperatures"] for s in settings]
     key = (lambda t, s: s if not t else f"{s} T{t:g}")

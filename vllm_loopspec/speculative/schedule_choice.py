@@ -53,7 +53,16 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
-the try to cost at most :data:`RETRY_TIME_SHARE` of the time. A plain
+the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
+
+Rates measured at different times do not compare well: this machine's
+speed drifts by tens of percent over seconds, and a loser's window holds
+its tries, spread over minutes, while the winner's holds its last steps. So
+a sample and the last sample of another arm a few steps before it
+(:data:`PAIR_GAP`) make a pair, whose ratio of rates sees one speed; where
+an arm has :data:`MIN_PAIRS` pairs with the leader by rate, it is rated by
+their median ratio to the leader (:func:`_best`). A try is then compared
+with the winner's steps around it. A plain
 winner's verdict says how many steps no try can be due in
 (:attr:`ScheduleChoice.hold`): the engine runs them plain without asking,
 while its batch stays the same, and credits them (:meth:`credit_held`),
@@ -101,6 +110,16 @@ RETRY_TIME_SHARE = 0.03
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
 # token a step, and a verdict is kept no further than this from where it was made.
 HOLD_STEPS = 32
+# Paired comparisons: a sample of one arm and the last sample of another at
+# the same width bucket and mix, at most this many observed steps apart,
+# are a pair; their rates' ratio is free of the machine's speed, which
+# drifts by tens of percent over seconds (``probes/adjacent.py``: two
+# identical engines' trials differ by 0.84-1.17x when adjacent, 0.77-1.34x
+# nineteen trials apart), while the two arms' windows are measured at
+# different times (the winner's now, a loser's over its spaced tries).
+PAIR_GAP = 3
+PAIR_WINDOW = 8  # an arm pair's ratio: the median of its last this many pairs
+MIN_PAIRS = 3  # pairs before they overrule the rates
 
 
 @dataclass
@@ -135,6 +154,8 @@ class _ArmRate:
 @dataclass
 class _Key:
     arms: dict[str, _ArmRate] = field(default_factory=lambda: {arm: _ArmRate() for arm in ARMS})
+    # (arm, other) -> log(rate of arm / rate of other) of recent pairs; both orders kept.
+    pairs: dict[tuple[str, str], deque] = field(default_factory=dict)
     steps: int = 0
     retry_interval: int = RETRY_BACKOFF[0]
     next_retry: int | None = None  # set when the rates first decide
@@ -169,6 +190,9 @@ class ScheduleChooser:
         self._last_arm: str | None = None  # the arm of the last choice, at any key
         self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
         self._last_key: _Key | None = None  # the key of the last choice
+        self._last_where: tuple[int, int, int] = (0, 0, 0)  # and where it is
+        self._clock = 0  # samples observed, at any key
+        self._last_sample: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}  # (bucket, mix) -> arm -> (clock, rate)
 
     def choose(self, width: int, mix: int, context: int = 0, in_flight: str | None = None) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
@@ -177,6 +201,7 @@ class ScheduleChooser:
         last if it is still to be observed."""
         where = _where(width, mix, context)
         key = self._last_key = self._key(where)
+        self._last_where = where
         key.steps += 1
         choice = self._choose(key, where, in_flight)
         self.decisions[(choice.arm, choice.reason)] = self.decisions.get((choice.arm, choice.reason), 0) + 1
@@ -258,6 +283,7 @@ class ScheduleChooser:
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
         if timed > 0 and seconds > 0:
             key.arms[PLAIN].update(timed, seconds, steps=timed)
+            self._pair(key, self._last_where, PLAIN, timed / seconds)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
                 after: str | None = None) -> None:
@@ -277,7 +303,24 @@ class ScheduleChooser:
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
-        key.arms[arm].update(committed / max(int(width), 1), seconds)
+        per_request = committed / max(int(width), 1)
+        key.arms[arm].update(per_request, seconds)
+        self._pair(key, _where(width, mix, context), arm, per_request / seconds)
+
+    def _pair(self, key: _Key, where: tuple[int, int, int], arm: str, rate: float) -> None:
+        """Pair a sample of ``arm`` with the last of each other arm at its
+        width bucket and mix (any context: a few steps apart, the context
+        moved little) if it is recent (:data:`PAIR_GAP`)."""
+        self._clock += 1
+        last = self._last_sample.setdefault(where[:2], {})
+        if rate <= 0:
+            return
+        for other, (when, other_rate) in last.items():
+            if other != arm and self._clock - when <= PAIR_GAP and other_rate > 0:
+                ratio = math.log(rate / other_rate)
+                key.pairs.setdefault((arm, other), deque(maxlen=PAIR_WINDOW)).append(ratio)
+                key.pairs.setdefault((other, arm), deque(maxlen=PAIR_WINDOW)).append(-ratio)
+        last[arm] = (self._clock, rate)
 
     def _key(self, where: tuple[int, int, int]) -> _Key:
         key = self._keys.get(where)  # not setdefault: a _Key built every step costs more than the lookup
@@ -372,4 +415,20 @@ def _winner(key: _Key) -> str:
 
 
 def _best(key: _Key, arms) -> str:
-    return max(arms, key=lambda arm: key.arms[arm].rate * (1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN))
+    """The arm of ``arms`` with the best rate (a speculative one must beat
+    plain by the margin), where an arm with :data:`MIN_PAIRS` pairs with
+    the leader by rate is rated from them: the leader's rate times their
+    median ratio."""
+    def margin(arm: str) -> float:
+        return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
+
+    arms = list(arms)
+    leader = max(arms, key=lambda arm: key.arms[arm].rate * margin(arm))
+    rated = {}
+    for arm in arms:
+        pairs = key.pairs.get((arm, leader)) if arm != leader else None
+        if pairs is not None and len(pairs) >= MIN_PAIRS:
+            rated[arm] = key.arms[leader].rate * math.exp(statistics.median(pairs))
+        else:
+            rated[arm] = key.arms[arm].rate
+    return max(arms, key=lambda arm: rated[arm] * margin(arm))
