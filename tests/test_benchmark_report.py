@@ -54,3 +54,15 @@ def test_page_regenerates_from_committed_results(report, tmp_path, monkeypatch):
     for plot in ("speedup_vs_k_short.png", "acceptance_per_position.png"):
         assert (results / "plots" / plot).stat().st_size > 1000
     assert "## How to rerun" in page
+
+
+def test_burst_ratios_are_paired_by_repeat(report):
+    def run(*rates):
+        return {"windows": {w: {"tokens_per_s": r} for w, r in zip(("before", "burst", "after"), rates)}}
+
+    rec = {"runs": {"native": [run(100, 1000, 0.0), run(50, 500, 100)],
+                    "loopspec adaptive": [run(150, 900, 80), run(100, 600, 150)]}}
+    assert report.burst_paired_ratios(rec, "burst") == pytest.approx([0.9, 1.2])
+    # the medians' ratio (750/750 = 1.0) would hide that one repeat lost 10%
+    assert report.burst_paired_ratios(rec, "before") == pytest.approx([1.5, 2.0])
+    assert report.burst_paired_ratios(rec, "after") == pytest.approx([1.5])  # a window native never reached
