@@ -524,6 +524,7 @@ def test_a_run_of_plain_decisions_for_the_same_requests_decides_one_step_in_a_fe
     c._engine_acceptance[False].seen[:] = 5000
     state = c._request("low", False)
     state.acceptance.values[:] = 0.0
+    state.acceptance.own[:] = 8  # measured by rounds of its own (a barely measured one is re-probed)
     calls = []
     real = adaptive.decide
     monkeypatch.setattr(adaptive, "decide", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -547,3 +548,46 @@ def test_a_lone_greedy_request_drafting_nothing_sets_no_width_cap():
     history = drive(c, [("lone", False, 8)], CPU_LIKE, {"lone": 0.0}, 400, np.random.default_rng(3))
     assert c.armed and c.cap is None
     assert sum(not any(d) for d, _, _ in history[-100:]) > 90
+
+
+def test_a_lone_greedy_request_whose_first_round_missed_is_re_probed_with_the_starting_k():
+    """Alone in the batch, a greedy request whose first round was rejected
+    at once (the first tokens of a generation are the hardest to draft)
+    reads as half its prior and decodes plainly; it is paused and
+    re-probed with the starting K after the back-off, so that a request
+    that accepts everything afterwards drafts again. One that keeps missing
+    is no longer probed once its estimate rests on THIN_EVIDENCE_ROUNDS
+    rounds of its own."""
+    from vllm_loopspec.speculative.adaptive import PROBE_BACKOFF, THIN_EVIDENCE_ROUNDS
+
+    c = AdaptiveController(max_k=8, start_k=4)
+    c.costs, c._refit = CPU_LIKE, (lambda: None)
+    c._engine_acceptance[False].values[:] = 0.75
+    c._engine_acceptance[False].seen[:] = 5000
+    c.plan([("r", False, 8)])
+    c.observe_round("r", False, 4, 0)  # its first round: rejected at the first draft
+    steps = [c.plan([("r", False, 8)])[0] for _ in range(PROBE_BACKOFF[0] + 2)]
+    assert not any(steps[0])
+    assert [4] in steps  # re-probed with the starting K
+    probe = steps.index([4])
+    assert all(d == [0] for d in steps[:probe])
+    c.observe_round("r", False, 4, 4)  # it accepts everything from now on
+    later = []
+    for _ in range(100):
+        drafts, _ = c.plan([("r", False, 8)])
+        later.append(drafts[0])
+        if drafts[0]:
+            c.observe_round("r", False, drafts[0], drafts[0])
+    # Drafting on its own merits (a plain step now and then: exploration).
+    assert sum(k >= 4 for k in later[-40:]) >= 32, later
+
+    # A request that misses every probe: probed while its evidence is thin only.
+    c.plan([("miss", False, 8)])
+    probes = 0
+    for _ in range(2000):
+        drafts, _ = c.plan([("miss", False, 8)])
+        if drafts[0]:
+            probes += 1
+            c.observe_round("miss", False, drafts[0], 0)
+    assert c._requests["miss"].acceptance.own[0] >= THIN_EVIDENCE_ROUNDS
+    assert probes < 40  # then exploration only, one step in many

@@ -36,7 +36,11 @@
 * **Per-request off switch**: a request the policy gives no drafts for its
   low acceptance is paused, then re-probed with one draft after a back-off
   that doubles with each pause and starts again once the request drafts on
-  its own merits. A request that would be left behind (told its remaining
+  its own merits. A greedy request measured by fewer than
+  :data:`THIN_EVIDENCE_ROUNDS` rounds of its own is paused in a plain step
+  too (no other row drafting) and re-probed with the starting K: one
+  missed first round must not leave it plain (the replay in
+  ``benchmarks/probes/policy_sim.py``). A request that would be left behind (told its remaining
   tokens, :func:`~.policy.later_rates`) is not trimmed for the step's rate:
   it would finish alone, in one-row plain steps.
 * **Measured correction** (the guard): the fit predicts; measurement
@@ -85,6 +89,18 @@ REQUEST_WEIGHT = 0.1
 # varies more from draw to draw than from request to request, and a few lucky
 # rounds must not read as a request worth drafting for.
 PRIOR_ROUNDS = {False: 1, True: 16}
+# A greedy request with fewer rounds of its own than this that a plain step
+# leaves without drafts is paused and re-probed like one the others outdraft,
+# with the starting K (not one draft): its estimate rests on a round or two,
+# and the first tokens of a generation are the hardest to draft (on the
+# bundled checkpoint at d=2, a round at the first token is rejected at once
+# for a fifth of the prompts that then accept nearly every draft); alone in
+# the batch it would otherwise be re-tried only by exploration, with one
+# draft, one step in EXPLORE_EVERY.
+THIN_EVIDENCE_ROUNDS = 4
+# ... in batches up to this wide (the widths the replay covers; restricting
+# it to narrower batches gave back most of the gain there).
+THIN_EVIDENCE_MAX_WIDTH = 16
 # In a run of plain decisions for the same requests (their estimates move only
 # with rounds), a full decision is made on one step in this many.
 PLAIN_RECHECK_EVERY = 4
@@ -420,6 +436,8 @@ class AdaptiveController:
             state = self._request(req_id, sampled)
             paused = state.paused_until > self.step
             probe = not paused and state.paused_until >= 0 and limit > 0
+            if probe and not sampled and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS:
+                probe = min(self.start_k, limit)  # a request barely measured: probe it with the starting K
             probes.append(probe)
             # A request whose pause is over is a full candidate (the policy
             # may give it drafts again); below, it drafts at least one.
@@ -489,10 +507,12 @@ class AdaptiveController:
             explored = self._explore(drafts, candidates, factors, decision.rate, other_tokens, context)
             if explored is not None:
                 drafts, reason = explored, "explore"
-        for i, (req_id, _, limit) in enumerate(requests):
+        for i, (req_id, sampled, limit) in enumerate(requests):
             state = self._requests[req_id]
             if probes[i]:
-                drafts[i] = max(drafts[i], min(1, limit))  # re-probe a paused request: one draft at least
+                # Re-probe a paused request: one draft at least (a barely
+                # measured greedy one: the starting K).
+                drafts[i] = max(drafts[i], min(int(probes[i]), limit))
                 state.paused_until = -1
                 state.probing = True
             elif drafts[i] and not state.probing:
@@ -501,6 +521,12 @@ class AdaptiveController:
                 skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
             elif drafts[i] == 0 and limit > 0 and any(drafts):
                 # Others draft but this one is not worth a draft: pause it.
+                self._pause(state)
+                skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
+            elif (drafts[i] == 0 and limit > 0 and not sampled and width <= THIN_EVIDENCE_MAX_WIDTH
+                  and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS):
+                # A plain step, and this greedy request's estimate rests on
+                # too few rounds to keep it plain: pause it to be re-probed.
                 self._pause(state)
                 skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
             elif drafts[i] == 0 and limit > 0:
