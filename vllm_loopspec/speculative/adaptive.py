@@ -40,9 +40,10 @@
   :data:`THIN_EVIDENCE_ROUNDS` rounds of its own is paused in a plain step
   too (no other row drafting) and re-probed with the starting K: one
   missed first round must not leave it plain (the replay in
-  ``benchmarks/probes/policy_sim.py``). A request that would be left behind (told its remaining
-  tokens, :func:`~.policy.later_rates`) is not trimmed for the step's rate:
-  it would finish alone, in one-row plain steps.
+  ``benchmarks/probes/policy_sim.py``). A request that would be left
+  behind (told its remaining tokens, :func:`~.policy.later_rates`) is not
+  trimmed for the step's rate: it would finish alone, in one-row plain
+  steps.
 * **Measured correction** (the guard): the fit predicts; measurement
   checks it where the engine runs. For decode-only steps the controller
   keeps, per batch-width bucket (powers of two), sampling mix (all greedy,
@@ -254,6 +255,11 @@ def _calibrated(estimate: _Estimate, ratios: np.ndarray) -> tuple[float, ...]:
     return tuple(np.minimum(np.asarray(estimate.read()) * ratios, 1.0))
 
 
+def _barely_measured(state: "_RequestState", sampled: bool) -> bool:
+    """A greedy request with fewer than THIN_EVIDENCE_ROUNDS rounds of its own."""
+    return not sampled and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS
+
+
 def width_bucket(width: int) -> int:
     """Widths 1, 2, 3-4, 5-8, 9-16, ...: rates are compared within a bucket."""
     return max(int(width) - 1, 0).bit_length()
@@ -435,10 +441,10 @@ class AdaptiveController:
         for req_id, sampled, limit in requests:
             state = self._request(req_id, sampled)
             paused = state.paused_until > self.step
+            # A paused request's re-probe: drafts at least one (a barely
+            # measured greedy one: the starting K); 0: no probe.
             probe = not paused and state.paused_until >= 0 and limit > 0
-            if probe and not sampled and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS:
-                probe = min(self.start_k, limit)  # a request barely measured: probe it with the starting K
-            probes.append(probe)
+            probes.append(0 if not probe else self.start_k if _barely_measured(state, sampled) else 1)
             # A request whose pause is over is a full candidate (the policy
             # may give it drafts again); below, it drafts at least one.
             candidates.append(Candidate(_calibrated(state.acceptance, calibration[sampled]), 0 if paused else limit))
@@ -510,9 +516,7 @@ class AdaptiveController:
         for i, (req_id, sampled, limit) in enumerate(requests):
             state = self._requests[req_id]
             if probes[i]:
-                # Re-probe a paused request: one draft at least (a barely
-                # measured greedy one: the starting K).
-                drafts[i] = max(drafts[i], min(int(probes[i]), limit))
+                drafts[i] = max(drafts[i], min(probes[i], limit))
                 state.paused_until = -1
                 state.probing = True
             elif drafts[i] and not state.probing:
@@ -523,8 +527,8 @@ class AdaptiveController:
                 # Others draft but this one is not worth a draft: pause it.
                 self._pause(state)
                 skipped[SKIP_LOW_ACCEPTANCE] = skipped.get(SKIP_LOW_ACCEPTANCE, 0) + 1
-            elif (drafts[i] == 0 and limit > 0 and not sampled and width <= THIN_EVIDENCE_MAX_WIDTH
-                  and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS):
+            elif drafts[i] == 0 and limit > 0 and width <= THIN_EVIDENCE_MAX_WIDTH \
+                    and _barely_measured(state, sampled):
                 # A plain step, and this greedy request's estimate rests on
                 # too few rounds to keep it plain: pause it to be re-probed.
                 self._pause(state)
