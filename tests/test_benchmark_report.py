@@ -66,3 +66,18 @@ def test_burst_ratios_are_paired_by_repeat(report):
     # the medians' ratio (750/750 = 1.0) would hide that one repeat lost 10%
     assert report.burst_paired_ratios(rec, "before") == pytest.approx([1.5, 2.0])
     assert report.burst_paired_ratios(rec, "after") == pytest.approx([1.5])  # a window native never reached
+
+
+def test_twin_of_the_best_fixed_arm_is_scored_over_every_assignment_of_the_natives_spread(report):
+    def trials(*rates):
+        return [{"tokens_per_s": r} for r in rates]
+
+    steady = {"native": trials(100, 100, 100), "native (second engine)": trials(100, 100, 100),
+              "best": trials(200, 210, 190)}
+    assert report.twin_within(steady, "best") == 1.0  # two natives agree: a twin matches exactly
+    spread = {"native": trials(100, 100, 100), "native (second engine)": trials(90, 100, 100),
+              "best": trials(200, 200, 200)}
+    # Twin trials are 180 or 200 each; its median is 180 (within 5% of 200: no) when two or three
+    # of the three take the slow repeat: 3·(1/3)²·(2/3) + (1/3)³ = 7/27.
+    assert report.twin_within(spread, "best") == pytest.approx(1 - 7 / 27)
+    assert report.twin_within({"best": trials(1, 2)}, "best") is None
