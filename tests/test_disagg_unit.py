@@ -171,3 +171,18 @@ def test_nixl_descriptor_counts_match_the_recorded_vllm_pulls():
     assert bench.cases([1], [1, 8, 512], contiguous=True) == [(1, 1, False, True), (1, 1, True, True),
                                                                (1, 8, False, True), (1, 8, True, True),
                                                                (1, 8, False, False)]
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_bind():
+    """A port handed to a server to bind later must not be one that any
+    socket bound to port 0 (vLLM's ZMQ sockets) may take meanwhile."""
+    import socket
+
+    from vllm_loopspec.server_process import _ephemeral_low, free_port
+
+    ports = {free_port() for _ in range(8)}
+    assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    assert len(ports) > 1  # drawn at random, not the range's first free port
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

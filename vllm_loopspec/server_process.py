@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,9 +18,33 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a server to bind later, taken
+    below the kernel's ephemeral range: a port from binding port 0 is an
+    ephemeral one, which any socket bound to port 0 meanwhile may take
+    (vLLM's engines bind their ZMQ sockets so; a P/D prefill's NIXL side
+    channel once lost its port to the server starting beside it, and hung
+    unhealthy). Drawn at random, so two callers rarely pick one port."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64 if low > 2048 else 0):
+        port = draw.randint(max(1024, low - 16384), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # that range is full: an ephemeral port after all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def vllm_command() -> str:
