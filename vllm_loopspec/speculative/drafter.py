@@ -366,8 +366,8 @@ class LoopSpecDrafter:
     # -- step timing (the adaptive policy's cost model) -----------------------
     def step_started(self, scheduler_output) -> None:
         now = time.perf_counter()
-        if self.model is not None:  # never a step's precomputed logits in the next step
-            self.model.precomputed_logits = None
+        if self.model is not None and self.model.precomputed_logits is not None:
+            self.model.precomputed_logits = None  # never a step's precomputed logits in the next step
         tokens = scheduler_output.total_num_scheduled_tokens
         self._step_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens

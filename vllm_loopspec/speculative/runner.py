@@ -11,7 +11,9 @@ runner keeps only what vLLM offers no other way into:
 * ``_input_fits_in_drafter``: per-request limits are the drafter's business;
 * ``take_draft_token_ids``: a proposal without drafts is not handed over;
 * ``execute_model`` / ``sample_tokens``: time each step for the adaptive
-  policy (:meth:`LoopSpecDrafter.step_started`);
+  policy (:meth:`LoopSpecDrafter.step_started`), and run a step without
+  drafts as a non-speculative runner would (``speculative_config`` set
+  aside for the step);
 * under async scheduling: ``execute_model`` trims vLLM's uniform
   placeholder drafts to each request's ``K_i``, ``_update_states`` keeps the
   scheduler's draft count, ``_bookkeeping_sync`` hands over each row's
@@ -59,6 +61,8 @@ class LoopSpecRunnerMixin:
         )
         self._loopspec_spec_metadata = None
         self._loopspec_common = None
+        self._loopspec_config = self.speculative_config
+        self._loopspec_plain_output = None  # a plain step's scheduler output, until sample_tokens
         options = self.drafter.options
         logger.info("loopspec: draft loops %s, K %s%s, async scheduling %s", options.draft_loops,
                     options.num_speculative_tokens,
@@ -72,7 +76,47 @@ class LoopSpecRunnerMixin:
             elif self.use_async_scheduling:
                 scheduler_output = self._trim_to_chosen_drafts(scheduler_output, self.drafter.next_drafts)
         self.drafter.step_started(scheduler_output)
-        return super().execute_model(scheduler_output, *args, **kwargs)
+        if scheduler_output.scheduled_spec_decode_tokens or self.use_async_scheduling:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        return self._execute_plain_step(scheduler_output, *args, **kwargs)
+
+    # -- plain steps as a plain engine's -----------------------------------------
+    # A step the scheduler gave no drafts (the width cap, the "auto"
+    # chooser's plain verdict, a policy's plain decision, prefill) runs with
+    # speculative_config set aside from execute_model to the end of
+    # sample_tokens: every read of it in GPUModelRunner then takes the
+    # non-speculative branch (_prepare_inputs, _build_attention_metadata's
+    # use_spec_decode, _preprocess's placeholder clamp, sample_tokens' drafter
+    # dispatch and copies, the KV connector's deferred finalize), so the step
+    # costs what a native engine's does: those branches were 60-80 us of a
+    # 3 ms CPU step (benchmarks/results/findings.md, twenty-fifth session).
+    # The drafter still decides the next step, from the step's output.
+    def _execute_plain_step(self, scheduler_output, *args, **kwargs):
+        self._loopspec_config, self.speculative_config = self.speculative_config, None
+        try:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        except BaseException:
+            self.speculative_config = self._loopspec_config
+            raise
+        if out is not None or self.execute_model_state is None:
+            # Nothing left for sample_tokens (no tokens scheduled, or a
+            # non-final pipeline stage): the step ends here.
+            self.speculative_config = self._loopspec_config
+            return out
+        self._loopspec_plain_output = scheduler_output
+        return out
+
+    def _sample_plain_step(self, scheduler_output, *args, **kwargs):
+        try:
+            out = super().sample_tokens(*args, **kwargs)
+        finally:
+            self.speculative_config = self._loopspec_config
+        # What GPUModelRunner.sample_tokens does for a custom_class drafter
+        # after bookkeeping (propose_draft_token_ids, then the copy that
+        # names the requests for take_draft_token_ids).
+        self._draft_token_ids = self.drafter.propose(out.sampled_token_ids)
+        self._copy_draft_token_ids_to_cpu(scheduler_output)
+        return out
 
     # -- async scheduling (patch 14) -------------------------------------------
     # vLLM's AsyncScheduler schedules step t+1 before step t's output is back:
@@ -167,25 +211,18 @@ class LoopSpecRunnerMixin:
         return super().take_draft_token_ids()
 
     def sample_tokens(self, *args, **kwargs):
-        out = super().sample_tokens(*args, **kwargs)
+        plain, self._loopspec_plain_output = self._loopspec_plain_output, None
+        if plain is not None:
+            out = self._sample_plain_step(plain, *args, **kwargs)
+        else:
+            out = super().sample_tokens(*args, **kwargs)
         self.drafter.step_finished()
         return out
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        if not scheduler_output.scheduled_spec_decode_tokens and not self.use_async_scheduling:
-            # A step without drafts takes vLLM's own plain branch of
-            # GPUModelRunner._prepare_inputs (its only read of
-            # speculative_config) instead of building all-zero spec metadata
-            # that is dropped below: under the width cap every step is such
-            # a step, and the speculative branch's host work is a few
-            # percent of a narrow CPU step.
-            config, self.speculative_config = self.speculative_config, None
-            try:
-                out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
-            finally:
-                self.speculative_config = config
+        if self.speculative_config is None:  # a plain step (_execute_plain_step)
             self._loopspec_spec_metadata = None
-            return out
+            return super()._prepare_inputs(scheduler_output, *args, **kwargs)
         out = super()._prepare_inputs(scheduler_output, *args, **kwargs)
         spec_metadata = out[1]
         if spec_metadata is not None and sum(spec_metadata.num_draft_tokens) == 0:
