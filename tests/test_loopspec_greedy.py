@@ -234,3 +234,41 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     # Every held step ran: the steps between the first and the last held
     # start are timed as one plain sample.
     assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited
+
+
+def test_a_step_without_drafts_runs_as_a_native_engines_step(loopspec_llms, prompts, native_reference):
+    """A step the scheduler gave no drafts (a prefill, the last token of a
+    budget) runs with ``speculative_config`` set aside until its sampling
+    ends, so vLLM takes its non-speculative branches (attention metadata
+    without spec decode, no placeholder clamp, no drafter dispatch); a step
+    with drafts keeps it; after every step it is back, the drafter still
+    proposes after a plain step, and the outputs are native's."""
+    llm = loopspec_llms(2)
+    runner = model_runner(llm)
+    config = runner.speculative_config
+    steps = []  # (the step had drafts, use_spec_decode, config set aside while building)
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        steps.append([bool(scheduler_output.scheduled_spec_decode_tokens), None, None])
+        return type(runner).execute_model(runner, scheduler_output, *args, **kwargs)
+
+    def build_attention_metadata(*args, **kwargs):
+        if not kwargs.get("for_cudagraph_capture"):
+            steps[-1][1:] = kwargs.get("use_spec_decode"), runner.speculative_config is None
+        return type(runner)._build_attention_metadata(runner, *args, **kwargs)
+
+    runner.execute_model, runner._build_attention_metadata = execute_model, build_attention_metadata
+    try:
+        batch = prompts[:4]
+        outs = llm.generate(batch, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del runner.execute_model, runner._build_attention_metadata
+    for p, o in zip(batch, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, 7)], p[:40]
+    assert runner.speculative_config is config
+    plain = [s for s in steps if not s[0]]
+    drafted = [s for s in steps if s[0]]
+    assert plain and drafted, steps
+    assert all(s[1:] == [False, True] for s in plain), steps
+    assert all(s[1:] == [True, False] for s in drafted), steps
+    assert steps[0][0] is False and steps[1][0] is True  # the prefill, then the drafts it proposed
