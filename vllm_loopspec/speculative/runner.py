@@ -88,9 +88,11 @@ class LoopSpecRunnerMixin:
     # non-speculative branch (_prepare_inputs, _build_attention_metadata's
     # use_spec_decode, _preprocess's placeholder clamp, sample_tokens' drafter
     # dispatch and copies, the KV connector's deferred finalize), so the step
-    # costs what a native engine's does: those branches were 60-80 us of a
-    # 3 ms CPU step (benchmarks/results/findings.md, twenty-fifth session).
-    # The drafter still decides the next step, from the step's output.
+    # costs nearer what a native engine's does: those branches were 15-20 us
+    # of a 3 ms CPU step, of its 60-85 us excess over native's
+    # (benchmarks/results/findings.md, twenty-fifth session). A step whose
+    # drafts the runner cut (runs_plain_instead) takes this path too. The
+    # drafter still decides the next step, from the step's output.
     def _execute_plain_step(self, scheduler_output, *args, **kwargs):
         self._loopspec_config, self.speculative_config = self.speculative_config, None
         try:
