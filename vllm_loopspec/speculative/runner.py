@@ -61,7 +61,7 @@ class LoopSpecRunnerMixin:
         )
         self._loopspec_spec_metadata = None
         self._loopspec_common = None
-        self._loopspec_config = self.speculative_config
+        self._loopspec_config = self.speculative_config  # set aside for plain steps (_execute_plain_step)
         self._loopspec_plain_output = None  # a plain step's scheduler output, until sample_tokens
         options = self.drafter.options
         logger.info("loopspec: draft loops %s, K %s%s, async scheduling %s", options.draft_loops,
@@ -94,7 +94,7 @@ class LoopSpecRunnerMixin:
     # drafts the runner cut (runs_plain_instead) takes this path too. The
     # drafter still decides the next step, from the step's output.
     def _execute_plain_step(self, scheduler_output, *args, **kwargs):
-        self._loopspec_config, self.speculative_config = self.speculative_config, None
+        self.speculative_config = None  # back from _loopspec_config when the step ends
         try:
             out = super().execute_model(scheduler_output, *args, **kwargs)
         except BaseException:
