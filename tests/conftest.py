@@ -85,6 +85,18 @@ def make_llm(checkpoint, speculative_config=None, **overrides):
         disable_log_stats=False,
         num_gpu_blocks_override=64,
     )
+    import torch
+
+    if torch.cuda.is_available():
+        # CUDA's KV blocks hold 16 tokens (CPU's 128): 64 would not hold one
+        # max_model_len request.
+        kwargs["num_gpu_blocks_override"] = 512
+        # vLLM's memory profile asserts that free memory did not grow while it
+        # ran; garbage of an earlier engine freed mid-profile trips it.
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     kwargs.update(overrides)
     llm = LLM(str(checkpoint), speculative_config=speculative_config, **kwargs)
     _ENGINES.append(llm)
