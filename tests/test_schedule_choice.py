@@ -218,6 +218,27 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, BORROWED_STEPS)
 
 
+def test_a_long_arm_losing_at_the_adjacent_bucket_is_not_measured_again():
+    """A pipelined step of a wide sampled batch costs many plain ones. One
+    step of it that lost to plain by more than 10% at the adjacent context
+    bucket (not a clear loss, so not measured enough there) is borrowed at
+    the new bucket: tries check it, measurements do not repeat. One that lost
+    by less is measured again."""
+    for pipelined_rate, measured_again in ((1300.0, False), (1500.0, True)):
+        chooser = ScheduleChooser()
+        for _ in range(MIN_SAMPLES):
+            chooser.observe(8, SAMPLED, PLAIN, 8 * 1600.0 * 0.005, 0.005)
+            chooser.observe(8, SAMPLED, POLICY, 8 * 1500.0 * 0.006, 0.006)
+        chooser.observe(8, SAMPLED, PIPELINED, 8 * pipelined_rate * 0.060, 0.060)
+        first = chooser.choose(8, SAMPLED, context=100)
+        borrowed = chooser.rates(8, SAMPLED, 100)[PIPELINED]
+        if measured_again:
+            assert first == ScheduleChoice(PIPELINED, "measure") and borrowed[1] == 0
+        else:
+            assert first.arm == PLAIN and first.reason == "faster"
+            assert borrowed == (pipelined_rate, 1)
+
+
 def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
     """A pipelined step of a wide batch runs many ticks: two of them say as
     much as four short steps, and cost as much as many."""

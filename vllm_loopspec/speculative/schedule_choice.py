@@ -96,6 +96,17 @@ CLEAR_LOSS = 0.7
 # each costs as much as several short ones (one is not enough: on this
 # shared machine a step now and then takes three times its usual time).
 LONG_STEP = 4
+# An arm of long steps that rates below this share of plain's at an adjacent
+# context bucket, after any number of its steps there, counts as measured at a
+# bucket where it has none (it borrows them): it is left to the tries, whose
+# time share is bounded, instead of being measured again at each bucket that
+# a batch's lengths cross. Measured in the sweep's wide sampled cells, where a
+# pipelined step costs twenty plain ones and its measurements at each bucket,
+# spread over the repeats, made up most of the time auto lost to native
+# (benchmarks/results/findings.md, twenty-sixth session). Not a clear loss
+# (:data:`CLEAR_LOSS`), which would count at its own key: a close loser stays
+# measured where it is.
+LONG_LOSER_BORROW = 0.9
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 BORROWED_STEPS = 3  # steps an arm new to a key takes from an adjacent key's
 # A speculative arm must beat the plain one by this share.
@@ -373,6 +384,8 @@ class ScheduleChooser:
             if rate.samples:
                 continue
             source = next((n for n in neighbours if n is not None and _measured(n, arm)), None)
+            if source is None:
+                source = next((n for n in neighbours if n is not None and _long_loser(n, arm)), None)
             if source is not None:
                 rate.borrow(source.arms[arm])
 
@@ -402,6 +415,16 @@ def _measured(key: _Key, arm: str) -> bool:
         return True
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
+
+
+def _long_loser(key: _Key, arm: str) -> bool:
+    """Whether ``arm`` has steps at ``key``, each :data:`LONG_STEP` times
+    plain's there, and rates below :data:`LONG_LOSER_BORROW` of plain's
+    (plain measured enough to compare)."""
+    rate, plain = key.arms[arm], key.arms[PLAIN]
+    return (arm != PLAIN and rate.samples > 0 and plain.samples >= MIN_SAMPLES // 2
+            and rate.step_seconds > LONG_STEP * plain.step_seconds
+            and rate.rate < LONG_LOSER_BORROW * plain.rate)
 
 
 def _all_measured(key: _Key) -> bool:

@@ -1,0 +1,93 @@
+"""Issue 13 A/B: two ``"schedule": "auto"`` engines per draft depth in one
+process, one with the chooser's rule as committed and one with a rule of
+this script's (``OLD_RULES``: the rule before a change), beside native, on
+the sweep's protocol (kv_sweep.py's warm-up, cells, widths, rotated
+interleaving, 5 repeats, medians). Per cell: each engine over native, and
+new over old paired by repeat.
+
+    python benchmarks/probes/chooser_ab.py RULE OUT [--draft-loops 1 2] [--repeats 5]
+
+RULE names the old rule in ``OLD_RULES``."""
+import argparse, json, statistics, sys, time, types
+from pathlib import Path
+
+import _probe  # noqa: F401  (environment before vLLM)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
+
+
+def fill_without_long_losers(self, key, where):
+    """``_fill_from_neighbours`` before LONG_LOSER_BORROW (twenty-sixth session)."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    bucket, mix, context = where
+    neighbours = [self._keys.get((bucket, mix, context - 1)), self._keys.get((bucket, mix, context + 1))]
+    for arm, rate in key.arms.items():
+        if rate.samples:
+            continue
+        source = next((n for n in neighbours if n is not None and sc._measured(n, arm)), None)
+        if source is not None:
+            rate.borrow(source.arms[arm])
+
+
+OLD_RULES = {"long_loser_borrow": ("_fill_from_neighbours", fill_without_long_losers)}
+
+
+def main():
+    from vllm import LLM
+    from loopspec_decode import decode_trial
+    from vllm_loopspec.engine_internals import model_runner
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rule", choices=sorted(OLD_RULES))
+    ap.add_argument("out")
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    ap.add_argument("--settings", nargs="+", default=["short", "long"])
+    args = ap.parse_args()
+    args_engine = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
+    engines = {"native": LLM(CHECKPOINT, **args_engine)}
+    method, replacement = OLD_RULES[args.rule]
+    for d in args.draft_loops:
+        for version in ("old", "new"):
+            llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
+                      **args_engine)
+            if version == "old":
+                chooser = model_runner(llm).drafter.chooser
+                setattr(chooser, method, types.MethodType(replacement, chooser))
+            engines[f"d{d} {version}"] = llm
+    names = list(engines)
+    prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}
+    new_tokens = {"short": 128, "long": 192}
+    for name in names:  # kv_sweep.py's warm-up
+        for c in args.concurrency:
+            decode_trial(engines[name], prompts["short"][:c], 16)
+    cells = [(t, s) for t in args.temperatures for s in args.settings]
+    runs = {f"{s}{'' if t == 0 else f' T{t}'} c{c}": {n: [] for n in names} for t, s in cells for c in args.concurrency}
+    t0 = time.perf_counter()
+    for rep in range(args.repeats):
+        for t, s in cells:
+            for c in args.concurrency:
+                batch = [prompts[s][(rep * c + i) % len(prompts[s])] for i in range(c)]
+                shift = (rep + c) % len(names)
+                cell = f"{s}{'' if t == 0 else f' T{t}'} c{c}"
+                for name in names[shift:] + names[:shift]:
+                    r = decode_trial(engines[name], batch, new_tokens[s], temperature=t)
+                    runs[cell][name].append(r["tokens_per_s"])
+        print(f"repeat {rep + 1} after {time.perf_counter() - t0:.0f} s", flush=True)
+    table = {}
+    for cell, by in runs.items():
+        nat = statistics.median(by["native"])
+        row = {n: round(statistics.median(v) / nat, 4) for n, v in by.items() if n != "native"}
+        for d in args.draft_loops:
+            row[f"d{d} new/old paired"] = round(statistics.median(
+                a / b for a, b in zip(by[f"d{d} new"], by[f"d{d} old"])), 4)
+        table[cell] = row
+        print(cell, row, flush=True)
+    Path(args.out).write_text(json.dumps({"probe": "chooser_ab", "rule": args.rule, "command": " ".join(sys.argv),
+                                          "when": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens_per_s": runs,
+                                          "over_native": table}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
