@@ -12,7 +12,8 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 if [ ! -x "$PY" ]; then
   python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -q -e '.[gpu,test]' || {
-    echo "gpu-check: could not install the GPU extra (vllm==0.32.0, CUDA build); it needs PyPI." >&2; exit 2; }
+    echo "gpu-check: could not install the GPU extra (vllm==0.32.0, CUDA build); it needs PyPI." >&2
+    echo "gpu-check: on a machine without network, see benchmarks/gpu_lent/run.sh." >&2; exit 2; }
 fi
 export VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONUNBUFFERED=1
 {
