@@ -92,7 +92,7 @@ def make_llm(checkpoint, speculative_config=None, **overrides):
         # max_model_len request.
         kwargs["num_gpu_blocks_override"] = 512
         # vLLM's memory profile asserts that free memory did not grow while it
-        # ran; garbage of an earlier engine freed mid-profile trips it.
+        # ran; garbage of an earlier engine freed mid-profile can trip it.
         import gc
 
         gc.collect()

@@ -25,6 +25,30 @@ def test_entry_point_registers_in_fresh_process():
     assert out.stdout.strip().endswith("ok")
 
 
+def test_loopspec_modules_leave_torch_unpatched_outside_cpu_engines():
+    """vLLM's CPU worker module patches torch for the whole process when it is
+    imported (``vllm.v1.worker.cpu.shm``: CUDA streams and events become
+    placeholders, ``pin_memory`` a no-op, device memory the CPU's). On a CUDA
+    host a process that imported it could run no CUDA engine (the first GPU
+    run, 2026-12-04): only the CPU worker's own module may import it."""
+    code = (
+        "import sys, torch\n"
+        "pin = torch.Tensor.pin_memory\n"
+        "from vllm_loopspec import register\n"
+        "register()\n"
+        "import vllm_loopspec.patches, vllm_loopspec.speculative.runner, vllm_loopspec.speculative.drafter\n"
+        "import vllm_loopspec.speculative.debug, vllm_loopspec.speculative.gpu_worker\n"
+        "assert 'vllm.v1.worker.cpu_worker' not in sys.modules, 'imported vLLM CPU worker'\n"
+        "assert torch.Tensor.pin_memory is pin\n"
+        "import vllm_loopspec.speculative.cpu_worker\n"
+        "assert torch.Tensor.pin_memory is not pin  # the check sees the patch\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 def test_register_is_idempotent():
     """vLLM calls the entry point in every process, possibly more than once:
     a second call must leave the registrations and every patched vLLM

@@ -87,8 +87,8 @@ DRAFTER_CLASS = "vllm_loopspec.speculative.drafter.LoopSpecDrafter"
 # With VLLM_LOOPSPEC_DEBUG=1: the drafter with test and profiling hooks.
 DEBUG_DRAFTER_CLASS = "vllm_loopspec.speculative.debug.DebugLoopSpecDrafter"
 DEBUG_ENV = "VLLM_LOOPSPEC_DEBUG"
-CPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecCPUWorker"
-GPU_WORKER_CLASS = "vllm_loopspec.speculative.runner.LoopSpecGPUWorker"
+CPU_WORKER_CLASS = "vllm_loopspec.speculative.cpu_worker.LoopSpecCPUWorker"
+GPU_WORKER_CLASS = "vllm_loopspec.speculative.gpu_worker.LoopSpecGPUWorker"
 
 # Why loopspec refuses --pipeline-parallel-size > 1 and what to use instead
 # (figures: benchmarks/RESULTS.md, "Beyond one device").

@@ -30,7 +30,7 @@ export PYTHONPATH=$site:$PWD
   python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
 } | tee "$OUT/gpu_tests.txt"
 timeout 100 python3 benchmarks/gpu_lent/smoke.py 2>&1 | grep -v "WARNING\|^INFO" | tail -20 | tee "$OUT/smoke.txt"
-# tests/test_gpu.py alone: with the whole suite collected, native engines failed on CUDA (findings, 2026-12-04).
-timeout 200 python3 -m pytest -q -rA tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -v WARNING | tail -150 >> "$OUT/gpu_tests.txt"
+# As make gpu-check: the tests marked gpu, the whole suite collected.
+timeout 200 python3 -m pytest -q -rA -m gpu tests -p no:cacheprovider 2>&1 | grep -v WARNING | tail -150 >> "$OUT/gpu_tests.txt"
 echo "tests rc=${PIPESTATUS[0]}" | tee -a "$OUT/gpu_tests.txt"
 timeout 130 python3 benchmarks/gpu_decode.py --repeats 2 --out "$OUT/gpu_check.json" 2>&1 | grep -v WARNING | tail -30

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import torch
 from vllm.logger import init_logger
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_loopspec.speculative.metrics import SnapshotWriter
 
@@ -265,49 +263,3 @@ def committed_per_row(sampled: torch.Tensor, discard: torch.Tensor) -> tuple[tor
     counts = torch.where(discard, 0, (sampled != -1).sum(dim=1)).to(torch.int32)
     newest = sampled.gather(1, (counts.long() - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
     return counts, torch.where(counts > 0, newest, torch.zeros_like(newest))
-
-
-class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
-    def __init__(self, vllm_config, device) -> None:
-        super().__init__(vllm_config, device)
-        self._loopspec_setup()
-
-    def warming_up_model(self) -> None:
-        """vLLM compiles the model's ``forward`` here; the round's tick is
-        compiled beside it, under the same settings."""
-        from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings
-
-        super().warming_up_model()
-        with _set_global_compilation_settings(self.vllm_config):
-            self.drafter.warm_up(self.max_num_tokens)
-
-
-class LoopSpecCPUWorker(CPUWorker):
-    """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
-
-    def init_device(self) -> None:
-        from vllm_loopspec.patches import cpu_worker_builds
-
-        with cpu_worker_builds(LoopSpecCPUModelRunner):
-            super().init_device()
-
-
-def _gpu_classes():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
-
-    class LoopSpecGPUModelRunner(LoopSpecRunnerMixin, GPUModelRunner):
-        def __init__(self, vllm_config, device) -> None:
-            super().__init__(vllm_config, device)
-            self._loopspec_setup()
-
-    class LoopSpecGPUWorker(Worker):
-        """GPU worker whose model runner runs loopspec rounds."""
-
-        def _make_model_runner(self):
-            return LoopSpecGPUModelRunner(self.vllm_config, self.device)
-
-    return LoopSpecGPUModelRunner, LoopSpecGPUWorker
-
-
-LoopSpecGPUModelRunner, LoopSpecGPUWorker = _gpu_classes()

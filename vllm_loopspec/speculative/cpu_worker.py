@@ -1,0 +1,43 @@
+"""The loopspec worker and model runner for vLLM's CPU platform
+(``--worker-cls``, chosen by :func:`vllm_loopspec.patches.translate_loopspec`).
+
+A module of its own because importing vLLM's ``vllm.v1.worker.cpu_worker``
+imports ``vllm.v1.worker.cpu.shm``, which replaces parts of torch for the
+whole process (``torch.cuda.Stream`` and ``Event`` by placeholders,
+``Tensor.pin_memory`` by a no-op, ``torch.accelerator.get_memory_info`` by
+the CPU node's memory, vLLM's ``UvaBuffer`` by the CPU one): on a CUDA host
+that breaks every engine of the process (found on the first GPU run,
+``benchmarks/results/findings.md``). Only a CPU engine imports this module.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_loopspec.speculative.runner import LoopSpecRunnerMixin
+
+
+class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
+    def __init__(self, vllm_config, device) -> None:
+        super().__init__(vllm_config, device)
+        self._loopspec_setup()
+
+    def warming_up_model(self) -> None:
+        """vLLM compiles the model's ``forward`` here; the round's tick is
+        compiled beside it, under the same settings."""
+        from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings
+
+        super().warming_up_model()
+        with _set_global_compilation_settings(self.vllm_config):
+            self.drafter.warm_up(self.max_num_tokens)
+
+
+class LoopSpecCPUWorker(CPUWorker):
+    """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
+
+    def init_device(self) -> None:
+        from vllm_loopspec.patches import cpu_worker_builds
+
+        with cpu_worker_builds(LoopSpecCPUModelRunner):
+            super().init_device()
