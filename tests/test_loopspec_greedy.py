@@ -236,6 +236,38 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited
 
 
+def test_a_hold_that_outlives_its_batch_times_no_idle_gap(loopspec_llms, prompts):
+    """A batch that finishes inside a plain verdict's hold leaves the hold
+    set; the next batch's first step comes after however long the engine
+    idled, and must not be timed as a held plain step (it made plain look
+    slow where batches end, and the chooser pick speculation there)."""
+    import time
+
+    from vllm_loopspec.speculative.schedule_choice import PLAIN, ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser = drafter.chooser
+    credited, still_held = [], []
+
+    def credit_held(steps, timed=0, seconds=0.0):
+        credited.append((steps, timed, seconds))
+
+    chooser.choose = lambda *a, **k: ScheduleChoice(PLAIN, "faster", hold=1000)
+    chooser.credit_held = credit_held
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    try:
+        llm.generate([prompts[0]], params, use_tqdm=False)
+        still_held.append(drafter._next_held)
+        time.sleep(1.5)
+        llm.generate([prompts[1]], params, use_tqdm=False)
+    finally:
+        del chooser.choose, chooser.credit_held
+    assert still_held == [True]  # the first batch ended inside the hold
+    assert credited and all(timed > 0 for _, timed, _ in credited), credited
+    assert max(seconds for _, _, seconds in credited) < 1.0, credited  # 20 plain steps; the 1.5 s idle is not in it
+
+
 def test_a_step_without_drafts_runs_as_a_native_engines_step(loopspec_llms, prompts, native_reference):
     """A step the scheduler gave no drafts (a prefill, the last token of a
     budget) runs with ``speculative_config`` set aside until its sampling

@@ -417,7 +417,12 @@ class LoopSpecDrafter:
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
         after, self._running_arm = self._running_arm, PLAIN if held else None
-        if held:
+        if held and not scheduler_output.scheduled_new_reqs:
+            # A step with new requests ends the timed span at the last held
+            # start: the engine may have idled before it (a batch that
+            # finished inside a hold leaves the hold set until the next
+            # batch's first step, which would time the idle gap as plain
+            # steps, at the context bucket where batches end).
             if not self._held_started:
                 self._held_first = now
             self._held_last = now
