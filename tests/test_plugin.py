@@ -8,6 +8,13 @@ import pytest
 from engine_access import engine_core, served_model
 
 
+def _passes_in_fresh_process(code: str) -> None:
+    """Run ``code`` in a new interpreter; it must exit 0 and print ``ok`` last."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("ok")
+
+
 def test_entry_point_registers_in_fresh_process():
     code = (
         "from vllm.plugins import load_general_plugins\n"
@@ -20,9 +27,7 @@ def test_entry_point_registers_in_fresh_process():
         "load_general_plugins()  # idempotent\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("ok")
+    _passes_in_fresh_process(code)
 
 
 def test_loopspec_modules_leave_torch_unpatched_outside_cpu_engines():
@@ -44,9 +49,7 @@ def test_loopspec_modules_leave_torch_unpatched_outside_cpu_engines():
         "assert torch.Tensor.pin_memory is not pin  # the check sees the patch\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith("ok")
+    _passes_in_fresh_process(code)
 
 
 def test_register_is_idempotent():

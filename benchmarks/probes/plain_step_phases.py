@@ -20,6 +20,19 @@ def wrap(obj, name, acc, key):
         t = time.perf_counter(); r = f(*a, **k); acc.setdefault(key, []).append(time.perf_counter() - t); return r
     setattr(obj, name, w)
 
+def wrap_step_phases(llm, acc):
+    """Time the phases every probe of a plain step reads: the scheduler's,
+    the runner's and the front end's output processing."""
+    from vllm_loopspec.engine_internals import engine_core, model_runner
+    core, r = engine_core(llm), model_runner(llm)
+    for obj, name, key in ((core.scheduler, "schedule", "schedule"),
+                           (core.scheduler, "update_from_output", "update_from_output"),
+                           (r, "execute_model", "execute_model"), (r, "sample_tokens", "sample_tokens"),
+                           (r, "_model_forward", "forward"), (r, "_prepare_inputs", "prepare_inputs"),
+                           (llm.llm_engine.output_processor, "process_outputs", "process_outputs")):
+        wrap(obj, name, acc, key)
+
+
 def main():
     from vllm import LLM, SamplingParams
     from vllm_loopspec.engine_internals import model_runner, engine_core
@@ -33,12 +46,7 @@ def main():
     for n, e in engines.items():
         core = engine_core(e); r = model_runner(e)
         wrap(core, "step", acc[n], "core.step")
-        wrap(core.scheduler, "schedule", acc[n], "schedule")
-        wrap(core.scheduler, "update_from_output", acc[n], "update_from_output")
-        wrap(r, "execute_model", acc[n], "execute_model")
-        wrap(r, "sample_tokens", acc[n], "sample_tokens")
-        wrap(r, "_model_forward", acc[n], "forward")
-        wrap(r, "_prepare_inputs", acc[n], "prepare_inputs")
+        wrap_step_phases(e, acc[n])
         wrap(r, "_bookkeeping_sync", acc[n], "bookkeeping")
         for m in ("_update_states", "_build_attention_metadata", "_preprocess", "_sample", "_update_states_after_model_execute", "propose_draft_token_ids", "_determine_batch_execution_and_padding", "_get_cumsum_and_arange", "compute_logits"):
             if hasattr(r, m): wrap(r, m, acc[n], m)
@@ -49,7 +57,6 @@ def main():
             wrap(r.model, "compute_logits", acc[n], "model.compute_logits")
         else:
             wrap(r.model, "compute_logits", acc[n], "model.compute_logits")
-        wrap(e.llm_engine.output_processor, "process_outputs", acc[n], "process_outputs")
     params = SamplingParams(max_tokens=128, temperature=temp, ignore_eos=True)
     batch = [prompts[i % len(prompts)] for i in range(c)]
     tot = {n: [] for n in engines}

@@ -9,12 +9,12 @@ processing): the engine core's and front end's own work.
 import json, statistics, sys, time
 
 from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts
-from plain_step_phases import wrap
+from plain_step_phases import wrap_step_phases
 
 
 def main():
     from vllm import LLM, SamplingParams
-    from vllm_loopspec.engine_internals import model_runner, engine_core
+    from vllm_loopspec.engine_internals import model_runner
     from vllm_loopspec.speculative.schedule_choice import ScheduleChoice, PLAIN
     n, c, temp, reps = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     prompts = load_prompts("mixed")
@@ -26,14 +26,7 @@ def main():
         model_runner(engines[f"plain{i}"]).drafter.chooser.choose = lambda *a, **k: ScheduleChoice(PLAIN, "faster", hold=32)
     acc = {e: {} for e in engines}
     for e, llm in engines.items():
-        core, r = engine_core(llm), model_runner(llm)
-        wrap(core.scheduler, "schedule", acc[e], "schedule")
-        wrap(core.scheduler, "update_from_output", acc[e], "update_from_output")
-        wrap(r, "execute_model", acc[e], "execute_model")
-        wrap(r, "sample_tokens", acc[e], "sample_tokens")
-        wrap(r, "_model_forward", acc[e], "forward")
-        wrap(r, "_prepare_inputs", acc[e], "prepare_inputs")
-        wrap(llm.llm_engine.output_processor, "process_outputs", acc[e], "process_outputs")
+        wrap_step_phases(llm, acc[e])
     params = SamplingParams(max_tokens=128, temperature=temp, ignore_eos=True)
     batch = [prompts[i % len(prompts)] for i in range(c)]
     names = list(engines)
