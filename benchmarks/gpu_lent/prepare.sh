@@ -25,7 +25,7 @@ pip_dl() {
 pip_dl -d "$build" vllm==0.32.0
 pip_dl -d .gpu/d/whl -r "$here/requirements.txt"
 python3 - "$build" <<'PY'
-import glob, lzma, sys, tarfile, zipfile
+import glob, io, lzma, sys, tarfile, zipfile
 from pathlib import Path
 wheel = zipfile.ZipFile(glob.glob(sys.argv[1] + "/vllm-0.32.0-*.whl")[0])
 skip = (".so", "vllm-rs", ".hpp", ".h", ".cuh", ".cu", ".cpp")
@@ -41,7 +41,7 @@ with tarfile.open(".gpu/d/vllm-py.tar.xz", "w:xz") as tar:
             data = data.replace(b"if not (FA2_AVAILABLE or FA3_AVAILABLE):", b"if False:  # gpu_lent: no FA extensions")
             assert b"gpu_lent" in data
         ti = tarfile.TarInfo(info.filename); ti.size = len(data)
-        import io; tar.addfile(ti, io.BytesIO(data))
+        tar.addfile(ti, io.BytesIO(data))
 Path(".gpu/c/C.so.xz").write_bytes(lzma.compress(wheel.read("vllm/_C_stable_libtorch.abi3.so"), preset=9))
 PY
 rm -rf "$build"

@@ -17,16 +17,14 @@ from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
 
 
 def fill_without_long_losers(self, key, where):
-    """``_fill_from_neighbours`` before LONG_LOSER_BORROW (twenty-sixth session)."""
+    """``_fill_from_neighbours`` before LONG_LOSER_BORROW (twenty-sixth
+    session): the committed method with the rule switched off for the call."""
     from vllm_loopspec.speculative import schedule_choice as sc
-    bucket, mix, context = where
-    neighbours = [self._keys.get((bucket, mix, context - 1)), self._keys.get((bucket, mix, context + 1))]
-    for arm, rate in key.arms.items():
-        if rate.samples:
-            continue
-        source = next((n for n in neighbours if n is not None and sc._measured(n, arm)), None)
-        if source is not None:
-            rate.borrow(source.arms[arm])
+    saved, sc.LONG_LOSER_BORROW = sc.LONG_LOSER_BORROW, 0.0
+    try:
+        return type(self)._fill_from_neighbours(self, key, where)
+    finally:
+        sc.LONG_LOSER_BORROW = saved
 
 
 OLD_RULES = {"long_loser_borrow": ("_fill_from_neighbours", fill_without_long_losers)}

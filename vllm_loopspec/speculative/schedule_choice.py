@@ -100,10 +100,10 @@ LONG_STEP = 4
 # context bucket, after any number of its steps there, counts as measured at a
 # bucket where it has none (it borrows them): it is left to the tries, whose
 # time share is bounded, instead of being measured again at each bucket that
-# a batch's lengths cross. Measured in the sweep's wide sampled cells, where a
-# pipelined step costs twenty plain ones and its measurements at each bucket,
-# spread over the repeats, made up most of the time auto lost to native
-# (benchmarks/results/findings.md, twenty-sixth session). Not a clear loss
+# a batch's lengths cross. In the sweep's wide sampled cells a pipelined step
+# costs some twenty plain ones, and it was measured again at each bucket,
+# spread over the repeats (benchmarks/results/findings.md, twenty-sixth
+# session: level overall in an A/B, 1-5% better in the widest cells). Not a clear loss
 # (:data:`CLEAR_LOSS`), which would count at its own key: a close loser stays
 # measured where it is.
 LONG_LOSER_BORROW = 0.9
@@ -418,8 +418,8 @@ def _measured(key: _Key, arm: str) -> bool:
 
 
 def _long_loser(key: _Key, arm: str) -> bool:
-    """Whether ``arm`` has steps at ``key``, each :data:`LONG_STEP` times
-    plain's there, and rates below :data:`LONG_LOSER_BORROW` of plain's
+    """Whether ``arm`` has steps at ``key``, their median over
+    :data:`LONG_STEP` times plain's there, and rates below :data:`LONG_LOSER_BORROW` of plain's
     (plain measured enough to compare)."""
     rate, plain = key.arms[arm], key.arms[PLAIN]
     return (arm != PLAIN and rate.samples > 0 and plain.samples >= MIN_SAMPLES // 2
