@@ -48,7 +48,11 @@ patches, numbered in the comments and docstrings below:
    async path's correction after rejected drafts), run eagerly on CPU: its
    ``torch.compile`` recompiles for 1, 2 and n rows, about a minute of a
    CPU engine's first async steps, for a handful of element-wise ops
-   (same function).
+   (same function);
+16. ``GPUModelRunner.num_accepted_tokens_event``, set to None in a loopspec
+   runner of a model that is not hybrid: ``_prepare_inputs`` then skips the
+   per-step host sync and copy of accepted counts that only hybrid (Mamba)
+   models write (:func:`skip_accepted_counts_sync`).
 
 Patches 1, 2, 7, 9 and 12 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
@@ -59,7 +63,7 @@ server processes of a server with ``--api-server-count > 1``; 12 on CPU (its
 runtime-env half only in engines that select Ray); 13 in CPU engines with a
 ``NixlConnector`` (P/D instances); 14 only for loopspec engines that ask for
 async scheduling, in every process that validates their config, and 15 with
-it, on CPU. The worker classes themselves are vLLM's documented
+it, on CPU; 16 in each loopspec runner. The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -628,6 +632,22 @@ def _run_async_correction_eagerly_on_cpu() -> None:
     eager = getattr(compiled, "_torchdynamo_orig_callable", None)
     if eager is not None:
         gpu_model_runner.update_num_computed_tokens_for_batch_change = eager
+
+
+def skip_accepted_counts_sync(runner) -> None:
+    """Patch 16 — ``GPUModelRunner.num_accepted_tokens_event`` (read by
+    ``GPUModelRunner._prepare_inputs``). vLLM creates the event for every
+    speculative engine, and each step's ``_prepare_inputs`` then waits on it
+    and copies ``input_batch.num_accepted_tokens_cpu`` to the device; only
+    ``_update_states_after_model_execute`` writes those counts, and only for
+    hybrid models (Mamba state shifting after rejected drafts). For any
+    other model they stay 1, which is what ``_prepare_inputs`` fills in
+    when the event is None, as in a non-speculative engine: the same values
+    without the sync and copy, a few microseconds of every step, plain
+    steps included (``benchmarks/results/findings.md``, twenty-seventh
+    session)."""
+    if not runner.model_config.is_hybrid:
+        runner.num_accepted_tokens_event = None
 
 
 def apply() -> None:

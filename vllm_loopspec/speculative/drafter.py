@@ -163,7 +163,10 @@ class LoopSpecDrafter:
         if self.runner.use_async_scheduling:
             return self._propose_async()
         self._count_acceptance(sampled_token_ids)
-        self._step_committed = sum(len(t) for t in sampled_token_ids)
+        self._step_committed = sum(map(len, sampled_token_ids))
+        if self._take_held_step():
+            self.proposed_drafts = False
+            return [[]] * len(sampled_token_ids)
         # A row that sampled nothing is a partial prefill chunk.
         limits = self._next_limits(lambda row, req_id: row < len(sampled_token_ids) and bool(sampled_token_ids[row]))
         self.proposed_drafts = any(limits)
@@ -199,13 +202,7 @@ class LoopSpecDrafter:
         (:meth:`num_drafts`, at length ``num_tokens(row, req_id)`` when given)
         and, with the adaptive policy, its decision within it."""
         batch = self.runner.input_batch
-        if self._hold_left:
-            # The chooser's plain verdict holds for this unchanged batch
-            # (the runner ends the hold when the batch changes): no decision.
-            self._hold_left -= 1
-            self._held_steps += 1
-            self._next_pipelined, self._next_choice, self._next_held = False, None, True
-            self.stats.skipped[SKIP_MEASURED] += self._hold_width
+        if self._take_held_step():
             return [None] * len(batch.req_ids)
         rows = [decoding(row, req_id) for row, req_id in enumerate(batch.req_ids)]
         sampled = None
@@ -253,6 +250,18 @@ class LoopSpecDrafter:
             if rows[row] else None
             for row, req_id in enumerate(batch.req_ids)]
         return self._adapt(limits, sampled) if self.controller is not None else limits
+
+    def _take_held_step(self) -> bool:
+        """Whether the next step is one of the chooser's held plain steps:
+        its plain verdict holds for this unchanged batch (the runner ends the
+        hold when the batch changes), so no decision is made."""
+        if not self._hold_left:
+            return False
+        self._hold_left -= 1
+        self._held_steps += 1
+        self._next_pipelined, self._next_choice, self._next_held = False, None, True
+        self.stats.skipped[SKIP_MEASURED] += self._hold_width
+        return True
 
     def note_committed(self, counts: torch.Tensor) -> None:
         """Async: tokens each row of this step committed (accepted drafts +
@@ -374,7 +383,7 @@ class LoopSpecDrafter:
         self._step_pipelined = self._next_pipelined
         # What the step runs, for traces and benchmarks: its largest K_i and,
         # with "auto", the arm it was chosen for (None: not a chosen decode step).
-        self.step_drafts = max((len(t) for t in spec_tokens.values()), default=0)
+        self.step_drafts = max(map(len, spec_tokens.values())) if spec_tokens else 0
         self.step_arm = self._next_choice[3] if self._next_choice is not None else PLAIN if self._next_held else None
         if self.chooser is not None:
             self._time_schedule_choice(now, scheduler_output)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from vllm.logger import init_logger
 
+from vllm_loopspec.patches import skip_accepted_counts_sync
 from vllm_loopspec.speculative.metrics import SnapshotWriter
 
 logger = init_logger("vllm.loopspec.runner")  # under vLLM's logger, which has the handlers
@@ -61,6 +62,7 @@ class LoopSpecRunnerMixin:
         self._loopspec_common = None
         self._loopspec_config = self.speculative_config  # set aside for plain steps (_execute_plain_step)
         self._loopspec_plain_output = None  # a plain step's scheduler output, until sample_tokens
+        skip_accepted_counts_sync(self)  # patch 16
         options = self.drafter.options
         logger.info("loopspec: draft loops %s, K %s%s, async scheduling %s", options.draft_loops,
                     options.num_speculative_tokens,
@@ -113,9 +115,15 @@ class LoopSpecRunnerMixin:
             self.speculative_config = self._loopspec_config
         # What GPUModelRunner.sample_tokens does for a custom_class drafter
         # after bookkeeping (propose_draft_token_ids, then the copy that
-        # names the requests for take_draft_token_ids).
-        self._draft_token_ids = self.drafter.propose(out.sampled_token_ids)
-        self._copy_draft_token_ids_to_cpu(scheduler_output)
+        # names the requests for take_draft_token_ids); a proposal without
+        # drafts (the next step plain too: a hold, the width cap) names
+        # none, so take_draft_token_ids hands nothing over.
+        drafts = self.drafter.propose(out.sampled_token_ids)
+        if self.drafter.proposed_drafts or self.use_async_scheduling:
+            self._draft_token_ids = drafts
+            self._copy_draft_token_ids_to_cpu(scheduler_output)
+        else:
+            self._draft_token_ids = self._draft_token_req_ids = None
         return out
 
     # -- async scheduling (patch 14) -------------------------------------------
