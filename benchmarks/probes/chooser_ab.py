@@ -27,7 +27,27 @@ def fill_without_long_losers(self, key, where):
         sc.LONG_LOSER_BORROW = saved
 
 
-OLD_RULES = {"long_loser_borrow": ("_fill_from_neighbours", fill_without_long_losers)}
+def no_narrower_long_losers(self, where, arm):
+    """``_narrower_long_loser`` before it existed (twenty-seventh session):
+    a long arm is measured at each width bucket."""
+    return None
+
+
+def choose_at_a_fixed_share(self, key, where, in_flight):
+    """``_choose`` before the tries' share halved (twenty-seventh session):
+    the committed method with the floor at the first share for the call."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    saved, sc.RETRY_TIME_SHARE_FLOOR = sc.RETRY_TIME_SHARE_FLOOR, sc.RETRY_TIME_SHARE
+    try:
+        return type(self)._choose(self, key, where, in_flight)
+    finally:
+        sc.RETRY_TIME_SHARE_FLOOR = saved
+
+
+# rule -> the chooser methods it replaces on the "old" engines' choosers
+OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
+             "width_borrow_and_share": [("_narrower_long_loser", no_narrower_long_losers),
+                                        ("_choose", choose_at_a_fixed_share)]}
 
 
 def main():
@@ -45,14 +65,15 @@ def main():
     args = ap.parse_args()
     args_engine = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
     engines = {"native": LLM(CHECKPOINT, **args_engine)}
-    method, replacement = OLD_RULES[args.rule]
+    replacements = OLD_RULES[args.rule]
     for d in args.draft_loops:
         for version in ("old", "new"):
             llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                       **args_engine)
             if version == "old":
                 chooser = model_runner(llm).drafter.chooser
-                setattr(chooser, method, types.MethodType(replacement, chooser))
+                for method, replacement in replacements:
+                    setattr(chooser, method, types.MethodType(replacement, chooser))
             engines[f"d{d} {version}"] = llm
     names = list(engines)
     prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}
