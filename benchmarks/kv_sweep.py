@@ -31,7 +31,10 @@ The adaptive policy (issue 13) is measured with:
         --repeats 3 --out benchmarks/results/adaptive_sweep.json
 
 Method: every engine lives in this process and stays alive, so arms
-interleave (rotated order, ``--repeats`` times) under the same machine noise.
+interleave (rotated order, ``--repeats`` times) under the same machine noise
+(``--native-beside-auto``: native also runs just before each "auto" arm's
+trial, which it is then compared with as well: arms far apart in the
+rotation see this machine's speed drift between them).
 Each trial adds ``c`` requests, runs engine steps until every request has
 finished its prefill and produced its first token, then times decoding until
 all are done (greedy unless ``--temperature``; EOS ignored: every arm
@@ -50,6 +53,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -70,6 +74,12 @@ MAX_MODEL_LEN = 1024
 # -- arms ---------------------------------------------------------------------
 
 SECOND_NATIVE = "native (second engine)"
+
+
+def beside(arm: str) -> str:
+    """The name of the native trials run just before ``arm``'s
+    (``--native-beside-auto``)."""
+    return f"native (beside {arm})"
 
 
 def arm_specs(args) -> dict[str, dict | None]:
@@ -328,6 +338,10 @@ def main() -> None:
     ap.add_argument("--native-twice", action="store_true",
                     help=f"add a second native engine ({SECOND_NATIVE!r}): the spread between two engines of the "
                          "same computation")
+    ap.add_argument("--native-beside-auto", action="store_true",
+                    help="in every repeat, also run the native engine just before each 'auto' arm's trial: the "
+                         "auto arm against native free of the machine's drift between trials far apart in the "
+                         "rotation (the second native engine is always next to the first)")
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per engine (num_gpu_blocks_override)")
     ap.add_argument("--out", type=Path, default=RESULTS / "kv_sweep.json")
     args = ap.parse_args()
@@ -353,7 +367,9 @@ def main() -> None:
         for c in args.concurrency:
             decode_trial(engines[name], prompt_sets["short"][:c], 16)
     cells = [(t, s) for t in args.temperatures for s in args.settings]
-    runs = {cell: {c: {n: [] for n in names} for c in args.concurrency} for cell in cells}
+    besides = [n for n in names if n.endswith(" auto")] if args.native_beside_auto else []
+    runs = {cell: {c: {n: [] for n in names + [beside(a) for a in besides]} for c in args.concurrency}
+            for cell in cells}
     t_start = time.perf_counter()
     for rep in range(args.repeats):
         for temperature, setting in cells:
@@ -362,6 +378,9 @@ def main() -> None:
                 batch = [prompts[(rep * c + i) % len(prompts)] for i in range(c)]
                 shift = (rep + c) % len(names)
                 for name in names[shift:] + names[:shift]:
+                    if name in besides:
+                        trial = timed_trial(engines["native"], counters["native"], batch, new_tokens, temperature)
+                        runs[(temperature, setting)][c][beside(name)].append(trial | {"repeat": rep})
                     trial = timed_trial(engines[name], counters[name], batch, new_tokens, temperature)
                     runs[(temperature, setting)][c][name].append(trial | {"repeat": rep})
         print(f"repeat {rep + 1}/{args.repeats} done after {time.perf_counter() - t_start:.0f} s", flush=True)
@@ -396,6 +415,11 @@ def main() -> None:
                                                        summary.get("acceptance", 0.0), c)
                     summary["speedup_over_ceiling"] = summary["speedup"] / summary["cost_model"]["ceiling"]
                 row[name] = summary
+            for name in besides:
+                trials, native_trials = runs[cell][c][name], runs[cell][c][beside(name)]
+                row[beside(name)] = summarize(native_trials)
+                row[name]["vs_native_beside"] = statistics.median(
+                    a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(trials, native_trials))
             results[cell_name(*cell)][str(c)] = row
     policies = {name: policy_snapshot(llm) for name, llm in engines.items()
                 if " adaptive" in name or " auto" in name}

@@ -81,3 +81,28 @@ def test_twin_of_the_best_fixed_arm_is_scored_over_every_assignment_of_the_nativ
     # of the three take the slow repeat: 3·(1/3)²·(2/3) + (1/3)³ = 7/27.
     assert report.twin_within(spread, "best") == pytest.approx(1 - 7 / 27)
     assert report.twin_within({"best": trials(1, 2)}, "best") is None
+
+
+def test_auto_is_also_scored_against_the_native_trial_beside_it(report):
+    """kv_sweep --native-beside-auto runs native just before each auto
+    trial: the auto arm's ratio to those, paired by repeat, is a column and
+    a count of its own, beside the ratio of medians to the rotated native."""
+    def trials(*rates):
+        return [{"tokens_per_s": r} for r in rates]
+
+    def summary(rates):
+        return {"median_tokens_per_s": sorted(rates)[len(rates) // 2]}
+
+    arms = {"native": (100, 110, 120), "loopspec d1 K2": (90, 95, 100), "loopspec d1 auto": (97, 100, 103),
+            "native (beside loopspec d1 auto)": (100, 100, 100)}
+    rec = {"command": "kv_sweep", "when": "now", "repeats": 3, "engine": "test", "machine_load": [0, 0, 0],
+           "arms": {name: None for name in arms},
+           "results": {"short": {"8": {name: summary(rates) for name, rates in arms.items()}}},
+           "raw": {"short": {"8": {name: trials(*rates) for name, rates in arms.items()}}}}
+    lines = report.adaptive_section(rec)
+    table = [line for line in lines if line.startswith("| short")]
+    assert table[0].endswith(" 1.00× |")  # against the trials beside it; 0.91× against the rotated native
+    assert "**0.91×**" in table[0]
+    assert any("≥ 0.97× in 1 of 1 cells" in line and "beside" in line for line in lines)
+    header = next(line for line in lines if line.startswith("| cell"))
+    assert header.count("|") == table[0].count("|")
