@@ -27,27 +27,8 @@ def fill_without_long_losers(self, key, where):
         sc.LONG_LOSER_BORROW = saved
 
 
-def no_narrower_long_losers(self, where, arm):
-    """``_narrower_long_loser`` before it existed (twenty-seventh session):
-    a long arm is measured at each width bucket."""
-    return None
-
-
-def choose_at_a_fixed_share(self, key, where, in_flight):
-    """``_choose`` before the tries' share halved (twenty-seventh session):
-    the committed method with the floor at the first share for the call."""
-    from vllm_loopspec.speculative import schedule_choice as sc
-    saved, sc.RETRY_TIME_SHARE_FLOOR = sc.RETRY_TIME_SHARE_FLOOR, sc.RETRY_TIME_SHARE
-    try:
-        return type(self)._choose(self, key, where, in_flight)
-    finally:
-        sc.RETRY_TIME_SHARE_FLOOR = saved
-
-
 # rule -> the chooser methods it replaces on the "old" engines' choosers
-OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
-             "width_borrow_and_share": [("_narrower_long_loser", no_narrower_long_losers),
-                                        ("_choose", choose_at_a_fixed_share)]}
+OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)]}
 
 
 def main():
@@ -103,9 +84,14 @@ def main():
                 a / b for a, b in zip(by[f"d{d} new"], by[f"d{d} old"])), 4)
         table[cell] = row
         print(cell, row, flush=True)
+    # What each engine's chooser did over the whole run (warm-up included):
+    # steps by arm and reason, the mechanism under the throughput.
+    decisions = {name: {f"{arm}/{reason}": n for (arm, reason), n in sorted(
+        model_runner(llm).drafter.chooser.decisions.items())} for name, llm in engines.items() if name != "native"}
+    print(json.dumps(decisions, indent=1))
     Path(args.out).write_text(json.dumps({"probe": "chooser_ab", "rule": args.rule, "command": " ".join(sys.argv),
                                           "when": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens_per_s": runs,
-                                          "over_native": table}, indent=1) + "\n")
+                                          "over_native": table, "decisions": decisions}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

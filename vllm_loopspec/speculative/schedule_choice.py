@@ -53,8 +53,7 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
-the try to cost at most :data:`RETRY_TIME_SHARE` of the time (halving with
-each try while the verdict stands, to :data:`RETRY_TIME_SHARE_FLOOR`).
+the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
 
 Rates measured at different times do not compare well: this machine's
 speed drifts by tens of percent over seconds, and a loser's window holds
@@ -116,14 +115,8 @@ SPECULATION_MARGIN = 0.03
 # workload that changed shows within a few tries.
 RETRY_BACKOFF = (8, 64)
 # And a losing arm's tries take at most this share of the time: a pipelined
-# step of a wide sampled batch costs as many as twenty plain steps. The share
-# halves with each try while the verdict stands, down to the floor, and is
-# back at the start when the verdict changes (like the steps between tries):
-# at the start a "never slower than native" engine's tries alone took the
-# 3% it may lose, as lumps of one pipelined step (70 ms of a wide sampled
-# batch, some twenty plain steps) that a losing arm kept confirming.
+# step of a wide sampled batch costs as many as twenty plain steps.
 RETRY_TIME_SHARE = 0.03
-RETRY_TIME_SHARE_FLOOR = 0.01
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
 # token a step, and a verdict is kept no further than this from where it was made.
@@ -163,19 +156,6 @@ class _ArmRate:
         self.borrowed = True
         self._summarise()
 
-    def borrow_relative(self, other: "_ArmRate", other_plain: "_ArmRate", plain: "_ArmRate") -> None:
-        """Start from ``other``'s rate and step time relative to the plain
-        arm's where it was measured (``other_plain``), applied to this key's
-        plain arm (``plain``): one sample, for a key of another width, where
-        rates themselves do not compare."""
-        if not (other.rate > 0 and other_plain.rate > 0 and other_plain.step_seconds > 0):
-            return
-        self.recent.append((plain.rate * other.rate / other_plain.rate,
-                            plain.step_seconds * other.step_seconds / other_plain.step_seconds))
-        self.samples = len(self.recent)
-        self.borrowed = True
-        self._summarise()
-
     def _summarise(self) -> None:
         # Read several times a step, written once: summarised on write.
         self.rate = statistics.median(r for r, _ in self.recent)
@@ -189,7 +169,6 @@ class _Key:
     pairs: dict[tuple[str, str], deque] = field(default_factory=dict)
     steps: int = 0
     retry_interval: int = RETRY_BACKOFF[0]
-    retry_share: float = RETRY_TIME_SHARE  # of the time, the tries' at most (halving to the floor)
     next_retry: int | None = None  # set when the rates first decide
     since_retry: int = 0  # steps of the winning arm since a loser's last try
     retries: int = 0  # tries so far (they rotate over the losing arms)
@@ -273,8 +252,7 @@ class ScheduleChooser:
             return ScheduleChoice(arm, "retry")  # the try's sampled step
         winner = _winner(key)
         if key.last_winner is not None and winner != key.last_winner:
-            # The verdict changed: the losers are close, try them soon.
-            key.retry_interval, key.retry_share = RETRY_BACKOFF[0], RETRY_TIME_SHARE
+            key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
         key.last_winner = winner
         if key.next_retry is None:
             key.next_retry = key.steps + key.retry_interval
@@ -284,10 +262,9 @@ class ScheduleChooser:
         # A short arm's try is two steps: the first pays the switch (no sample).
         short = lost.step_seconds <= LONG_STEP * won.step_seconds
         cost = (2 if short else 1) * lost.step_seconds
-        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / key.retry_share:
+        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / RETRY_TIME_SHARE:
             key.next_retry = key.steps + key.retry_interval
             key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
-            key.retry_share = max(key.retry_share / 2, RETRY_TIME_SHARE_FLOOR)
             key.since_retry = 0
             key.retries += 1
             key.trying = loser if short else None
@@ -299,7 +276,7 @@ class ScheduleChooser:
         # with the held steps counted as winning ones.
         # (Rounded down where the division's rounding could hold one step too many.)
         until_due = max(key.next_retry - key.steps - 1,
-                        math.ceil(cost / key.retry_share / won.step_seconds * (1 - 1e-9)) - key.since_retry, 0)
+                        math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9)) - key.since_retry, 0)
         return ScheduleChoice(winner, "faster", hold=int(min(until_due, HOLD_STEPS)))
 
     def credit_held(self, steps: int, timed: int = 0, seconds: float = 0.0) -> None:
@@ -411,26 +388,6 @@ class ScheduleChooser:
                 source = next((n for n in neighbours if n is not None and _long_loser(n, arm)), None)
             if source is not None:
                 rate.borrow(source.arms[arm])
-                continue
-            narrower = self._narrower_long_loser(where, arm)
-            if narrower is not None and key.arms[PLAIN].samples >= MIN_SAMPLES // 2:
-                rate.borrow_relative(narrower.arms[arm], narrower.arms[PLAIN], key.arms[PLAIN])
-
-    def _narrower_long_loser(self, where: tuple[int, int, int], arm: str) -> "_Key | None":
-        """The key one width bucket narrower (same mix; same context
-        bucket, else an adjacent one) where ``arm`` is a long loser
-        (:func:`_long_loser`), if any. Speculation loses ground to plain
-        steps as a batch widens (a step of more rows is nearer compute
-        bound, and a long arm's ticks carry every row): in every cell of the
-        sweeps the pipelined arm's speedup over native falls with the width
-        (``benchmarks/RESULTS.md``), so an arm that lost at the narrower
-        bucket is not measured again at a wider one; the tries check it."""
-        bucket, mix, context = where
-        for c in (context, context - 1, context + 1):
-            key = self._keys.get((bucket - 1, mix, c))
-            if key is not None and _long_loser(key, arm):
-                return key
-        return None
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
