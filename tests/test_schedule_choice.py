@@ -2,7 +2,7 @@
 
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
-                                                      HOLD_STEPS, RETRY_TIME_SHARE, ScheduleChoice,
+                                                      HOLD_STEPS, PAIR_GAP, RATE_WINDOW, RETRY_TIME_SHARE, ScheduleChoice,
                                                       ScheduleChooser)
 
 MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
@@ -179,19 +179,48 @@ def test_held_plain_steps_are_timed_as_one_sample_of_the_plain_arm():
     assert chooser._keys[(3, SAMPLED, 0)].arms[PLAIN].recent[-1] == (1 / 0.004, 0.004)
 
 
-def test_a_plain_verdict_borrowed_from_a_shorter_context_yields_to_its_own_holds():
+def test_a_plain_verdict_borrowed_from_a_shorter_context_yields_to_a_try():
     """Plain steps won at short contexts; at longer ones they are slower
-    than the policy's rounds. The longer context's bucket starts from the
-    plain verdict it borrowed, and its holds' timing overturns it within
-    two holds, with no try of the policy needed."""
+    than the policy's rounds, which did not slow down. The longer context's
+    bucket starts from the plain verdict it borrowed; its holds' timing
+    moves plain's rate, and the policy's borrowed rate with it (borrowed
+    relative to plain), so the first try of the policy overturns it, within
+    three holds."""
     chooser = ScheduleChooser()
     rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
     _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120})
     slower = {PLAIN: 0.008, POLICY: 0.006, PIPELINED: 0.120}
-    made = _run_holding(chooser, 8, SAMPLED, {**rates, PLAIN: 1000.0}, 2 * HOLD_STEPS + 4, slower, context=100)
+    made = _run_holding(chooser, 8, SAMPLED, {**rates, PLAIN: 1000.0}, 4 * HOLD_STEPS, slower, context=100)
     assert made[0].arm == PLAIN and made[0].reason == "faster"
-    assert not any(c.reason == "retry" for c in made)
+    tries = [i for i, c in enumerate(made) if c.reason == "retry"]
+    assert tries and all(made[i].arm == POLICY for i in tries)
     assert made[-1] == ScheduleChoice(POLICY, "faster")
+
+
+def test_a_speculative_arm_carries_its_rate_relative_to_plain_into_a_longer_context():
+    """A bucket of twice the rows' length slows every step. What carries
+    from one context bucket to the next is an arm's rate relative to plain
+    steps: a pipelined arm that lost to plain at the shorter bucket (170
+    against 200 tok/s per request) starts the longer one at that ratio of
+    plain's rate there (130), not at its own rate (which would beat plain's
+    130 and run there), and moves with plain's rate until it has steps of
+    its own there."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(16, SAMPLED, PLAIN, 16 * 200.0 * 0.005, 0.005, context=300)
+        chooser.observe(16, SAMPLED, POLICY, 16 * 180.0 * 0.006, 0.006, context=300)
+        chooser.observe(16, SAMPLED, PIPELINED, 16 * 170.0 * 0.080, 0.080, context=300)
+    for _ in range(PAIR_GAP):  # the winner's steps, before the batch crosses into the next bucket
+        chooser.observe(16, SAMPLED, PLAIN, 16 * 200.0 * 0.005, 0.005, context=300)
+    for _ in range(MIN_SAMPLES):  # plain measured first at the longer bucket
+        chooser.observe(16, SAMPLED, PLAIN, 16 * 130.0 * 0.008, 0.008, context=600)
+    choice = chooser.choose(16, SAMPLED, context=600)
+    assert choice.arm == PLAIN and choice.reason == "faster"
+    rates = chooser.rates(16, SAMPLED, 600)
+    assert abs(rates[PIPELINED][0] - 170.0 * 130.0 / 200.0) < 1e-6
+    for _ in range(RATE_WINDOW):  # plain slows further here: the borrowed rate follows it
+        chooser.observe(16, SAMPLED, PLAIN, 16 * 100.0 * 0.010, 0.010, context=600)
+    assert abs(chooser.rates(16, SAMPLED, 600)[PIPELINED][0] - 170.0 * 100.0 / 200.0) < 1e-6
 
 
 def test_a_clear_loser_measured_once_still_seeds_the_next_context_bucket():

@@ -27,8 +27,31 @@ def fill_without_long_losers(self, key, where):
         sc.LONG_LOSER_BORROW = saved
 
 
+def fill_raw(self, key, where):
+    """``_fill_from_neighbours`` before borrowing relative to plain
+    (twenty-seventh session): the committed method with the scaling off."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    saved, sc._relative_to_plain = sc._relative_to_plain, lambda *args: (1.0, 1.0)
+    try:
+        return type(self)._fill_from_neighbours(self, key, where)
+    finally:
+        sc._relative_to_plain = saved
+
+
+def update_mixing_borrowed(key, arm, tokens, seconds, steps=1):
+    """``_update`` before the key's own steps replaced borrowed ones and
+    plain's moved the borrowed arms (twenty-seventh session)."""
+    rate = key.arms[arm]
+    saved, rate.borrowed = rate.borrowed, False  # no clearing on the first own step
+    try:
+        rate.update(tokens, seconds, steps)
+    finally:
+        rate.borrowed = saved
+
+
 # rule -> the chooser methods it replaces on the "old" engines' choosers
-OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)]}
+OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
+             "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)]}
 
 
 def main():
@@ -54,7 +77,8 @@ def main():
             if version == "old":
                 chooser = model_runner(llm).drafter.chooser
                 for method, replacement in replacements:
-                    setattr(chooser, method, types.MethodType(replacement, chooser))
+                    static = isinstance(type(chooser).__dict__.get(method), staticmethod)
+                    setattr(chooser, method, replacement if static else types.MethodType(replacement, chooser))
             engines[f"d{d} {version}"] = llm
     names = list(engines)
     prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}

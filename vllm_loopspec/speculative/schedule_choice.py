@@ -137,23 +137,43 @@ MIN_PAIRS = 3  # pairs before they overrule the rates
 class _ArmRate:
     recent: deque = field(default_factory=lambda: deque(maxlen=RATE_WINDOW))  # (tokens/s/request, seconds) per step
     samples: int = 0
+    own: int = 0  # of them, steps of this key (not borrowed)
     borrowed: bool = False  # started from an adjacent key's steps: measured enough to decide
     rate: float = 0.0  # median tokens/s per request of the recent steps
     step_seconds: float = 0.0  # their median seconds
 
     def update(self, tokens: float, seconds: float, steps: int = 1) -> None:
-        """``steps`` steps that committed ``tokens`` per request in ``seconds``."""
+        """``steps`` steps that committed ``tokens`` per request in ``seconds``.
+        The first of the key's own replaces the borrowed ones: they were
+        measured elsewhere (another context bucket, perhaps another batch's
+        prompts), and mixed with the key's own they outvoted it (a plain
+        arm borrowed from a short-prompt batch kept beating the pipelined
+        arm's own steps of a long-prompt batch of the same width until
+        the window turned over)."""
+        if self.borrowed and not self.own:
+            self.recent.clear()
+            self.samples = 0
         self.recent.append((tokens / seconds, seconds / steps))
         self.samples += 1
+        self.own += 1
         self._summarise()
 
-    def borrow(self, other: "_ArmRate") -> None:
+    def borrow(self, other: "_ArmRate", rate_scale: float = 1.0, time_scale: float = 1.0) -> None:
         """Start from ``other``'s last :data:`BORROWED_STEPS` steps (an
-        adjacent key's, measured there): few, so that this key's own steps
-        outweigh them soon (an arm's rate changes with the context)."""
-        self.recent.extend(list(other.recent)[-BORROWED_STEPS:])
+        adjacent key's, measured there), their rates and seconds scaled
+        (see :meth:`ScheduleChooser._fill_from_neighbours`): few, so that
+        this key's own steps outweigh them soon (an arm's rate changes with
+        the context)."""
+        self.recent.extend((r * rate_scale, s * time_scale) for r, s in list(other.recent)[-BORROWED_STEPS:])
         self.samples = len(self.recent)
         self.borrowed = True
+        self._summarise()
+
+    def rescale(self, rate_scale: float, time_scale: float) -> None:
+        """Scale borrowed steps, while the arm has none of its own here."""
+        if self.own or not self.recent:
+            return
+        self.recent = deque(((r * rate_scale, s * time_scale) for r, s in self.recent), maxlen=RATE_WINDOW)
         self._summarise()
 
     def _summarise(self) -> None:
@@ -293,7 +313,7 @@ class ScheduleChooser:
         key.since_retry += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
         if timed > 0 and seconds > 0:
-            key.arms[PLAIN].update(timed, seconds, steps=timed)
+            self._update(key, PLAIN, timed, seconds, steps=timed)
             self._pair(key, self._last_where, PLAIN, timed / seconds)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
@@ -315,8 +335,22 @@ class ScheduleChooser:
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
         per_request = committed / max(int(width), 1)
-        key.arms[arm].update(per_request, seconds)
+        self._update(key, arm, per_request, seconds)
         self._pair(key, _where(width, mix, context), arm, per_request / seconds)
+
+    @staticmethod
+    def _update(key: _Key, arm: str, tokens: float, seconds: float, steps: int = 1) -> None:
+        """A sample of ``arm`` at ``key``. A sample of the plain arm moves
+        the arms still rated from borrowed steps alone with it: they were
+        borrowed relative to plain (:meth:`_fill_from_neighbours`)."""
+        rate = key.arms[arm]
+        before = (rate.rate, rate.step_seconds)
+        rate.update(tokens, seconds, steps)
+        if arm != PLAIN or not (before[0] > 0 and before[1] > 0):
+            return
+        for other, borrowed in key.arms.items():
+            if other != PLAIN:
+                borrowed.rescale(rate.rate / before[0], rate.step_seconds / before[1])
 
     def _pair(self, key: _Key, where: tuple[int, int, int], arm: str, rate: float) -> None:
         """Pair a sample of ``arm`` with the last of each other arm at its
@@ -387,7 +421,7 @@ class ScheduleChooser:
             if source is None:
                 source = next((n for n in neighbours if n is not None and _long_loser(n, arm)), None)
             if source is not None:
-                rate.borrow(source.arms[arm])
+                rate.borrow(source.arms[arm], *_relative_to_plain(key, source, arm))
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
@@ -402,6 +436,23 @@ class ScheduleChooser:
 
 def _where(width: int, mix: int, context: int) -> tuple[int, int, int]:
     return width_bucket(width), mix, (max(int(context), 0) // CONTEXT_UNIT).bit_length()
+
+
+def _relative_to_plain(key: _Key, source: _Key, arm: str) -> tuple[float, float]:
+    """How to scale ``source``'s steps of ``arm`` (a speculative arm) for
+    ``key``: by plain's rate and step seconds here over plain's there. What
+    carries from one context bucket to the next is an arm's rate relative to
+    plain steps, not the rate itself: a bucket doubles the rows' length, and
+    at width 16, long prompts and T=0.8 plain steps ran at 206 tokens/s per
+    request in one bucket and 132 in the next; a pipelined arm borrowed
+    unscaled from the shorter bucket (169, where it lost to plain's 206)
+    beat plain in the longer one and ran there, 70 ms a step, at 0.86x
+    native (``benchmarks/results/findings.md``, twenty-seventh session)."""
+    plain_here, plain_there = key.arms[PLAIN], source.arms[PLAIN]
+    if arm == PLAIN or not (plain_here.rate > 0 and plain_there.rate > 0
+                            and plain_here.step_seconds > 0 and plain_there.step_seconds > 0):
+        return 1.0, 1.0
+    return plain_here.rate / plain_there.rate, plain_here.step_seconds / plain_there.step_seconds
 
 
 def _measured(key: _Key, arm: str) -> bool:

@@ -1,0 +1,110 @@
+"""Issue 13 diagnostic: where an ``"auto"`` engine's time goes in the
+sweep's cells, trial by trial. Native and one auto engine per ``--draft-loops``
+in this process, the sweep's warm-up, then ``--repeats`` passes over the
+cells (kv_sweep.py's order), each auto trial right after a native trial of
+the same prompts. Per auto trial: its tok/s over that native trial's, and
+its seconds split by what each step was (``plain/held``: a held plain step;
+else the chooser's arm and reason; a step's seconds run from its start to
+the next one's, the last step of a trial to the trial's end). Writes the
+medians per cell, and every trial, to OUT.
+
+    python benchmarks/probes/auto_cost_split.py OUT [--draft-loops 1 2] [--repeats 5] [--temperatures 0.8]
+"""
+import argparse, json, statistics, sys, time
+from collections import defaultdict
+from pathlib import Path
+
+import _probe  # noqa: F401  (environment before vLLM)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts  # noqa: E402
+
+
+def instrument(llm) -> list:
+    """Each step's (kind, start) from now on, appended to the returned list."""
+    from vllm_loopspec.engine_internals import model_runner
+    drafter = model_runner(llm).drafter
+    steps, reason = [], {"last": None}
+    choose, started = drafter.chooser.choose, drafter.step_started
+
+    def logged_choose(*args, **kwargs):
+        out = choose(*args, **kwargs)
+        reason["last"] = f"{out.arm}/{out.reason}"
+        return out
+
+    def logged_step_started(scheduler_output):
+        held = drafter._next_held
+        started(scheduler_output)
+        if held:
+            kind = "plain/held"
+        elif drafter.step_arm is None:
+            kind = "unchosen"  # prefill, a step of arrivals
+        else:
+            kind = reason["last"] or drafter.step_arm
+        reason["last"] = None
+        steps.append((kind, time.perf_counter()))
+
+    drafter.chooser.choose = logged_choose
+    drafter.step_started = logged_step_started
+    return steps
+
+
+def main():
+    from vllm import LLM
+    from loopspec_decode import decode_trial
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    ap.add_argument("--settings", nargs="+", default=["short", "long"])
+    args = ap.parse_args()
+    engine_args = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
+    native = LLM(CHECKPOINT, **engine_args)
+    autos = {f"d{d}": LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
+                          **engine_args) for d in args.draft_loops}
+    prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}
+    new_tokens = {"short": 128, "long": 192}
+    for llm in [native, *autos.values()]:  # kv_sweep.py's warm-up
+        for c in args.concurrency:
+            decode_trial(llm, prompts["short"][:c], 16)
+    logs = {name: instrument(llm) for name, llm in autos.items()}
+    trials = defaultdict(list)
+    for rep in range(args.repeats):
+        for t in args.temperatures:
+            for s in args.settings:
+                for c in args.concurrency:
+                    batch = [prompts[s][(rep * c + i) % len(prompts[s])] for i in range(c)]
+                    cell = f"{s}{'' if t == 0 else f' T{t}'} c{c}"
+                    for name, llm in autos.items():
+                        base = decode_trial(native, batch, new_tokens[s], temperature=t)["tokens_per_s"]
+                        steps = logs[name]
+                        steps.clear()
+                        start = time.perf_counter()
+                        rate = decode_trial(llm, batch, new_tokens[s], temperature=t)["tokens_per_s"]
+                        end = time.perf_counter()
+                        split = defaultdict(float)
+                        for (kind, at), (_, nxt) in zip(steps, steps[1:] + [(None, end)]):
+                            split[kind] += nxt - at
+                        trials[(cell, name)].append({"vs_native_beside": rate / base, "seconds": end - start,
+                                                     "split": dict(split),
+                                                     "steps": {k: sum(1 for s2, _ in steps if s2 == k) for k in split}})
+        print(f"repeat {rep + 1} done", flush=True)
+    table = {}
+    for (cell, name), runs in trials.items():
+        kinds = sorted({k for r in runs for k in r["split"]})
+        row = {"vs_native_beside": round(statistics.median(r["vs_native_beside"] for r in runs), 4),
+               "by_trial": [round(r["vs_native_beside"], 3) for r in runs],
+               "share_of_time": {k: round(statistics.median(r["split"].get(k, 0) / r["seconds"] for r in runs), 4)
+                                 for k in kinds}}
+        table[f"{cell} {name}"] = row
+        print(f"{cell:16s} {name} {row['vs_native_beside']:.3f} {row['by_trial']} "
+              + " ".join(f"{k}={v:.3f}" for k, v in row["share_of_time"].items()), flush=True)
+    Path(args.out).write_text(json.dumps({
+        "probe": "auto_cost_split", "command": " ".join(["python", *sys.argv]),
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"), "cells": table,
+        "trials": {f"{cell} {name}": runs for (cell, name), runs in trials.items()}}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
