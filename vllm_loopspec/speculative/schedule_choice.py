@@ -142,15 +142,11 @@ class _ArmRate:
     rate: float = 0.0  # median tokens/s per request of the recent steps
     step_seconds: float = 0.0  # their median seconds
 
-    def update(self, tokens: float, seconds: float, steps: int = 1) -> None:
-        """``steps`` steps that committed ``tokens`` per request in ``seconds``.
-        The first of the key's own replaces the borrowed ones: they were
-        measured elsewhere (another context bucket, perhaps another batch's
-        prompts), and mixed with the key's own they outvoted it (a plain
-        arm borrowed from a short-prompt batch kept beating the pipelined
-        arm's own steps of a long-prompt batch of the same width until
-        the window turned over)."""
-        if self.borrowed and not self.own:
+    def update(self, tokens: float, seconds: float, steps: int = 1, replace_borrowed: bool = False) -> None:
+        """``steps`` steps that committed ``tokens`` per request in ``seconds``;
+        ``replace_borrowed``: the first of the key's own replaces the
+        borrowed ones (see :meth:`ScheduleChooser._update`)."""
+        if replace_borrowed and self.borrowed and not self.own:
             self.recent.clear()
             self.samples = 0
         self.recent.append((tokens / seconds, seconds / steps))
@@ -340,12 +336,21 @@ class ScheduleChooser:
 
     @staticmethod
     def _update(key: _Key, arm: str, tokens: float, seconds: float, steps: int = 1) -> None:
-        """A sample of ``arm`` at ``key``. A sample of the plain arm moves
-        the arms still rated from borrowed steps alone with it: they were
-        borrowed relative to plain (:meth:`_fill_from_neighbours`)."""
+        """A sample of ``arm`` at ``key``. The plain arm's first own sample
+        replaces its borrowed ones: they were measured elsewhere (another
+        context bucket, perhaps another batch's prompts), and a plain arm
+        borrowed from a short-prompt batch kept outvoting the plain steps of
+        a long-prompt batch of the same width until its window turned over
+        (``benchmarks/probes/chooser_sim.py``). Plain steps are many and
+        cheap; a speculative arm's first own step may be a try, one noisy
+        sample, and is mixed with the borrowed ones (replaced, one such step
+        lost the greedy cells' pipelined arm: ``auto_relative_borrow_ab.json``).
+        A sample of the plain arm moves the arms still rated from borrowed
+        steps alone with it: they were borrowed relative to plain
+        (:meth:`_fill_from_neighbours`)."""
         rate = key.arms[arm]
         before = (rate.rate, rate.step_seconds)
-        rate.update(tokens, seconds, steps)
+        rate.update(tokens, seconds, steps, replace_borrowed=arm == PLAIN)
         if arm != PLAIN or not (before[0] > 0 and before[1] > 0):
             return
         for other, borrowed in key.arms.items():
