@@ -43,7 +43,10 @@ followed by another before it is seen (one may show it losing).
 
 An arm with no steps at a key borrows the last few steps
 (:data:`BORROWED_STEPS`) of an adjacent context bucket (same width bucket
-and mix) where it was measured, and counts as measured; the arms
+and mix) where it was measured, and counts as measured; a speculative arm's
+borrowed steps are scaled by plain's rate and step time here over there,
+and follow plain's until the arm has steps of its own here (what carries
+across a context bucket is a rate relative to plain steps); the arms
 still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first sample
 clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
