@@ -22,6 +22,16 @@ def load_prompts(name: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
+def add_sweep_protocol_args(ap) -> None:
+    """The arguments of the probes that replay kv_sweep.py's protocol
+    (its cells, widths and repeats) with "auto" engines of several d."""
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    ap.add_argument("--settings", nargs="+", default=["short", "long"])
+
+
 def native_and_pipelined(d1: int, k: int, c: int):
     """``c`` of the ``mixed`` prompts, a native engine and a pipelined one
     (``d1``, ``K``) of the shared shape: the pipelined probes' setup."""

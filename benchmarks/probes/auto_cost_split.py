@@ -16,7 +16,7 @@ from pathlib import Path
 
 import _probe  # noqa: F401  (environment before vLLM)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts  # noqa: E402
+from _probe import CHECKPOINT, ENGINE_ARGS, add_sweep_protocol_args, load_prompts  # noqa: E402
 
 
 def instrument(llm) -> list:
@@ -53,11 +53,7 @@ def main():
     from loopspec_decode import decode_trial
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    ap.add_argument("--settings", nargs="+", default=["short", "long"])
+    add_sweep_protocol_args(ap)
     args = ap.parse_args()
     engine_args = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
     native = LLM(CHECKPOINT, **engine_args)

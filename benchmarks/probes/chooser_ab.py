@@ -13,7 +13,7 @@ from pathlib import Path
 
 import _probe  # noqa: F401  (environment before vLLM)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
+from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, add_sweep_protocol_args, load_prompts  # noqa: E402
 
 
 def fill_without_long_losers(self, key, where):
@@ -61,11 +61,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("rule", choices=sorted(OLD_RULES))
     ap.add_argument("out")
-    ap.add_argument("--draft-loops", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    ap.add_argument("--settings", nargs="+", default=["short", "long"])
+    add_sweep_protocol_args(ap)
     args = ap.parse_args()
     args_engine = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
     engines = {"native": LLM(CHECKPOINT, **args_engine)}
