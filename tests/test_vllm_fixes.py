@@ -69,3 +69,18 @@ def test_seeded_request_in_a_chunked_prefill_is_served_and_replays(native_llm, l
         got, want = (list(llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0].token_ids)
                      for llm in (chunked, one_step))
         assert got == want
+
+
+def test_a_loopspec_runner_skips_the_hybrid_models_accepted_count_sync(loopspec_llms):
+    """Patch 16: vLLM's ``_prepare_inputs`` waits on ``num_accepted_tokens_event``
+    and copies accepted counts every step of a speculative engine; only
+    hybrid models write them. Ouro is not hybrid: the loopspec runner has no
+    event, and its steps (greedy output is checked against native in
+    test_loopspec_greedy.py with the patch in place) fill the counts with 1
+    as a non-speculative runner does."""
+    from vllm_loopspec.engine_internals import model_runner
+
+    runner = model_runner(loopspec_llms(4))
+    assert not runner.model_config.is_hybrid
+    assert runner.num_spec_tokens > 0  # a speculative runner, for which vLLM creates the event
+    assert runner.num_accepted_tokens_event is None
