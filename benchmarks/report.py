@@ -471,6 +471,10 @@ def adaptive_section(rec: dict) -> list[str]:
     round_policy = suffix == " auto" and any(n.endswith(" adaptive") for n in rec.get("arms", {}))
     steps = ("schedule auto: the policy's rounds and plain steps, or pipelined steps, chosen per step"
              if label == "auto" else "its rounds and plain steps")
+    # kv_sweep --native-beside-auto: each auto arm's median ratio to the
+    # native trials run just before its own, paired by repeat.
+    beside_column = any("vs_native_beside" in arm for by_c in rec["results"].values() for row in by_c.values()
+                        for arm in row.values())
     lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
              f"engines: {rec['engine']}; OMP_WAIT_POLICY {rec.get('omp_wait_policy', 'not recorded')}; "
              f"load average when written {fmt(rec['machine_load'][1], 1)}). "
@@ -482,9 +486,10 @@ def adaptive_section(rec: dict) -> list[str]:
              "between repeats, cancels).", "",
              f"| cell | c | native tok/s | {label} d1 | d2 | d3 | best {label} vs native (paired) "
              f"| best fixed (d, K) | best {label} vs best fixed (paired) |"
-             + (" round policy (best d) vs native |" if round_policy else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if round_policy else "")]
-    header = len(lines) - 2
+             + (" round policy (best d) vs native |" if round_policy else "")
+             + (f" best {label} vs the native trial beside it (paired) |" if beside_column else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if round_policy else "")
+             + ("---|" if beside_column else "")]
     ok_native = ok_best = cells = paired_native = paired_best = 0
     round_native = round_best = 0  # the round policy's, where the run has it beside "auto"
     twins = []  # a second native engine against the first, where the run has one (kv_sweep --native-twice)
@@ -508,7 +513,7 @@ def adaptive_section(rec: dict) -> list[str]:
             vs_fixed = paired_ratio(raw, best_adaptive, best_fixed)
             paired_native += vs_native is not None and vs_native >= 0.97
             paired_best += vs_fixed is not None and vs_fixed >= 0.95
-            beside_ratio = paired_ratio(raw, best_adaptive, f"native (beside {best_adaptive})")
+            beside_ratio = adaptive[best_adaptive].get("vs_native_beside")
             if beside_ratio is not None:
                 besides.append(beside_ratio)
             if SECOND_NATIVE in row:
@@ -525,10 +530,7 @@ def adaptive_section(rec: dict) -> list[str]:
             lines.append(f"| {cell} | {c} | {fmt(native, 0)} | {' | '.join(per_d)} | **{fmt(a / native)}×** "
                          f"({fmt(vs_native)}×) | {best_fixed.removeprefix('loopspec ')} {fmt(f, 0)} "
                          f"| {fmt(a / f)}× ({fmt(vs_fixed)}×) |" + extra
-                         + (f" {fmt(beside_ratio)}× |" if beside_ratio is not None else ""))
-    if besides:
-        lines[header] += f" best {label} vs the native trial beside it (paired) |"
-        lines[header + 1] += "---|"
+                         + (f" {fmt(beside_ratio)}× |" if beside_column else ""))
     per_d = per_depth_counts(rec)
     lines += ["", f"At its best d: {label} ≥ 0.97× native in {ok_native} of {cells} cells; within 5% of the "
               f"best fixed (d, K) in {ok_best} of {cells} cells. At each d (cell × d, against the fixed K of "
