@@ -280,6 +280,28 @@ def test_an_arm_of_long_steps_is_measured_in_half_the_steps():
     assert made[-1].arm == PLAIN
 
 
+def test_a_long_arm_that_lost_at_the_narrower_width_is_measured_once_if_it_loses_again():
+    """In a wide sampled batch one pipelined step costs 15-25 plain ones.
+    Where the pipeline lost at the next narrower width bucket, one losing
+    step at the wider one is its measurement; one that does not lose there
+    is measured again (a batch widening does not make speculation win, but
+    one step's rate is noisy)."""
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.100}
+    narrower = {PLAIN: 1600.0, POLICY: 1500.0, PIPELINED: 1350.0}  # a long loser, not a clear one
+    for wider_pipelined, measured in ((1300.0, 1), (1550.0, MIN_SAMPLES // 2)):
+        chooser = ScheduleChooser()
+        _run(chooser, 8, SAMPLED, narrower, 2 * MEASURE, seconds)
+        assert chooser.rates(8, SAMPLED)[PIPELINED][1] == MIN_SAMPLES // 2
+        made = _run(chooser, 16, SAMPLED, narrower | {PIPELINED: wider_pipelined}, 2 * MEASURE, seconds)
+        assert sum(c.arm == PIPELINED and c.reason == "measure" for c in made) == measured
+        assert made[-1].arm == PLAIN
+    # Not from a wider bucket's loss: a narrower batch may well speculate.
+    chooser = ScheduleChooser()
+    _run(chooser, 16, SAMPLED, narrower, 2 * MEASURE, seconds)
+    made = _run(chooser, 8, SAMPLED, narrower | {PIPELINED: 1300.0}, 2 * MEASURE, seconds)
+    assert sum(c.arm == PIPELINED and c.reason == "measure" for c in made) == MIN_SAMPLES // 2
+
+
 def test_rates_are_per_request_so_a_narrowing_batch_is_not_a_slower_arm():
     """Widths 5 to 8 share a bucket: plain steps of 5 rows (the batch's
     requests finishing) against pipelined steps of 8 compare per request.

@@ -50,7 +50,8 @@ across a context bucket is a rate relative to plain steps); the arms
 still unmeasured are measured :data:`MIN_SAMPLES` times (fewest samples first, a width bucket new to the
 chooser starting with its neighbour's winner; an arm whose first sample
 clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
-:data:`LONG_STEP`, half as often). Then the chooser takes the arm
+:data:`LONG_STEP`, half as often, and once where its step loses as the
+arm lost at the next narrower width bucket). Then the chooser takes the arm
 with the best rate, a speculative arm having to beat the plain one by
 :data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
 the rates' noise), and tries each other arm in turn one step in an interval
@@ -242,7 +243,8 @@ class ScheduleChooser:
         unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
         if unmeasured:
             self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
-            unmeasured = [arm for arm in unmeasured if not _measured(key, arm)]
+            unmeasured = [arm for arm in unmeasured
+                          if not _measured(key, arm) and not self._loser_as_at_narrower_width(key, where, arm)]
         if unmeasured:
             # A long arm's step still in flight (observed at the next
             # step's start) is not followed by another: it may be all it
@@ -430,6 +432,26 @@ class ScheduleChooser:
                 source = next((n for n in neighbours if n is not None and _long_loser(n, arm)), None)
             if source is not None:
                 rate.borrow(source.arms[arm], *_relative_to_plain(key, source, arm))
+
+    def _loser_as_at_narrower_width(self, key: _Key, where: tuple[int, int, int], arm: str) -> bool:
+        """Whether ``arm``'s steps here (one is enough) lose as a long loser
+        (:func:`_long_loser`), as they did at the next narrower width bucket
+        of the same mix (same context bucket or one apart): measured enough,
+        left to the tries. A long arm is measured in two steps
+        (:data:`LONG_STEP`: one losing step alone may be noise), and in the
+        sweep's wide sampled cells each pipelined step costs 100-300 ms, 15-25
+        plain steps; the second at each new width bucket took 15-25% of its
+        trial (``benchmarks/results/findings.md``, twenty-eighth session).
+        Speculation loses ground to plain steps as a batch widens (every
+        sweep: ``benchmarks/RESULTS.md``), so a loss at the narrower width
+        predicts this one, and one step here that agrees confirms it. Unlike
+        a borrowed verdict (tried and reverted, twenty-seventh session), the
+        arm is still measured here once."""
+        if not _long_loser(key, arm):
+            return False
+        bucket, mix, context = where
+        return any(other is not None and _long_loser(other, arm)
+                   for other in (self._keys.get((bucket - 1, mix, c)) for c in (context, context - 1, context + 1)))
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
