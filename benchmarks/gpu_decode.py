@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--large-first", action="store_true",
+                    help="run the Ouro-1.4B-shape arms first (a lent GPU's time may end before the rest)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="e.g. TRITON_ATTN where FlashAttention is absent (benchmarks/gpu_lent: bf16 would pick it)")
     ap.add_argument("--arm", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -72,7 +76,8 @@ def main() -> None:
     spec = {"method": "loopspec", "num_speculative_tokens": 4, "draft_loops": 2, "adaptive": False}
     pipelined = {"method": "loopspec", "num_speculative_tokens": 8, "draft_loops": 1, "schedule": "pipelined",
                  "second_proposal_loop": 2}
-    common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16)
+    common = dict(max_model_len=1024, gpu_memory_utilization=0.5, seed=0, max_num_seqs=16,
+                  attention_backend=args.attention_backend)
     small = str(ROOT / "checkpoints" / "ouro-stdlib")
     arms = [("ouro-stdlib fp32", "native eager", small, dict(dtype="float32", enforce_eager=True)),
             ("ouro-stdlib fp32", "native default mode", small, dict(dtype="float32", enforce_eager=False)),
@@ -91,7 +96,12 @@ def main() -> None:
                  # issue 12: on a GPU a loop group is a kernel launch, not 73 µs of host code.
                  ("ouro-1.4b shape bf16 (dummy)", "pipelined d1 K8 s2", str(large),
                   big | {"speculative_config": pipelined})]
+        if args.large_first:
+            arms = arms[4:] + arms[:4]
     if args.arm is not None:  # one arm, in its own process (engines hold device memory until exit)
+        from vllm_loopspec import register
+
+        register()  # the entry point is absent where the package is on PYTHONPATH, not installed
         model, arm, path, kwargs = arms[args.arm]
         llm = LLM(path, **common, **kwargs)
         for batch in (1, 8):
@@ -103,7 +113,9 @@ def main() -> None:
     results = []
     for i, (model, arm, _, _) in enumerate(arms):
         cmd = [sys.executable, __file__, "--arm", str(i), "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats)] + (["--skip-large"] if args.skip_large else [])
+               "--repeats", str(args.repeats)] + (["--skip-large"] if args.skip_large else []) \
+            + (["--large-first"] if args.large_first else []) \
+            + (["--attention-backend", args.attention_backend] if args.attention_backend else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not rows:
