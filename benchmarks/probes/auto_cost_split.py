@@ -5,8 +5,10 @@ cells (kv_sweep.py's order), each auto trial right after a native trial of
 the same prompts. Per auto trial: its tok/s over that native trial's, and
 its seconds split by what each step was (``plain/held``: a held plain step;
 else the chooser's arm and reason; a step's seconds run from its start to
-the next one's, the last step of a trial to the trial's end). Writes the
-medians per cell, and every trial, to OUT.
+the next one's, the last step of a trial to the trial's end), and its
+choices other than a plain verdict's with the chooser's state at each
+(why a measurement or a try ran). Writes the medians per cell, and every
+trial, to OUT.
 
     python benchmarks/probes/auto_cost_split.py OUT [--draft-loops 1 2] [--repeats 5] [--temperatures 0.8]
 """
@@ -19,16 +21,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _probe import CHECKPOINT, ENGINE_ARGS, add_sweep_protocol_args, load_prompts  # noqa: E402
 
 
-def instrument(llm) -> list:
-    """Each step's (kind, start) from now on, appended to the returned list."""
+def instrument(llm) -> tuple[list, list]:
+    """Each step's (kind, start) from now on, appended to the first list;
+    each choice other than a plain verdict's (a measurement, a try, a
+    speculative arm as faster), with the chooser's key (width bucket, mix,
+    context bucket) and per arm its rate, samples, own samples, whether
+    borrowed and median step ms, to the second."""
     from vllm_loopspec.engine_internals import model_runner
+    from vllm_loopspec.speculative.schedule_choice import PLAIN, _where
     drafter = model_runner(llm).drafter
-    steps, reason = [], {"last": None}
-    choose, started = drafter.chooser.choose, drafter.step_started
+    chooser = drafter.chooser
+    steps, choices, reason = [], [], {"last": None}
+    choose, started = chooser.choose, drafter.step_started
 
-    def logged_choose(*args, **kwargs):
-        out = choose(*args, **kwargs)
+    def logged_choose(width, mix, context=0, in_flight=None):
+        out = choose(width, mix, context, in_flight)
         reason["last"] = f"{out.arm}/{out.reason}"
+        if out.arm != PLAIN or out.reason != "faster":
+            where = _where(width, mix, context)
+            choices.append([list(where), out.arm, out.reason,
+                            {arm: [round(r.rate), r.samples, r.own, r.borrowed, round(r.step_seconds * 1e3, 1)]
+                             for arm, r in chooser._keys[where].arms.items()}])
         return out
 
     def logged_step_started(scheduler_output):
@@ -43,9 +56,9 @@ def instrument(llm) -> list:
         reason["last"] = None
         steps.append((kind, time.perf_counter()))
 
-    drafter.chooser.choose = logged_choose
+    chooser.choose = logged_choose
     drafter.step_started = logged_step_started
-    return steps
+    return steps, choices
 
 
 def main():
@@ -74,8 +87,9 @@ def main():
                     cell = f"{s}{'' if t == 0 else f' T{t}'} c{c}"
                     for name, llm in autos.items():
                         base = decode_trial(native, batch, new_tokens[s], temperature=t)["tokens_per_s"]
-                        steps = logs[name]
+                        steps, choices = logs[name]
                         steps.clear()
+                        choices.clear()
                         start = time.perf_counter()
                         rate = decode_trial(llm, batch, new_tokens[s], temperature=t)["tokens_per_s"]
                         end = time.perf_counter()
@@ -84,7 +98,8 @@ def main():
                             split[kind] += nxt - at
                         trials[(cell, name)].append({"vs_native_beside": rate / base, "seconds": end - start,
                                                      "split": dict(split),
-                                                     "steps": {k: sum(1 for s2, _ in steps if s2 == k) for k in split}})
+                                                     "steps": {k: sum(1 for s2, _ in steps if s2 == k) for k in split},
+                                                     "choices": list(choices)})
         print(f"repeat {rep + 1} done", flush=True)
     table = {}
     for (cell, name), runs in trials.items():
