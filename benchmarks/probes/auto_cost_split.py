@@ -11,6 +11,7 @@ choices other than a plain verdict's with the chooser's state at each
 trial, to OUT.
 
     python benchmarks/probes/auto_cost_split.py OUT [--draft-loops 1 2] [--repeats 5] [--temperatures 0.8]
+        [--native-after]
 """
 import argparse, json, statistics, sys, time
 from collections import defaultdict
@@ -67,6 +68,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     add_sweep_protocol_args(ap)
+    ap.add_argument("--native-after", action="store_true",
+                    help="the native trial right after each auto trial, not before (does the order matter?)")
     args = ap.parse_args()
     engine_args = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
     native = LLM(CHECKPOINT, **engine_args)
@@ -86,13 +89,16 @@ def main():
                     batch = [prompts[s][(rep * c + i) % len(prompts[s])] for i in range(c)]
                     cell = f"{s}{'' if t == 0 else f' T{t}'} c{c}"
                     for name, llm in autos.items():
-                        base = decode_trial(native, batch, new_tokens[s], temperature=t)["tokens_per_s"]
+                        if not args.native_after:
+                            base = decode_trial(native, batch, new_tokens[s], temperature=t)["tokens_per_s"]
                         steps, choices = logs[name]
                         steps.clear()
                         choices.clear()
                         start = time.perf_counter()
                         rate = decode_trial(llm, batch, new_tokens[s], temperature=t)["tokens_per_s"]
                         end = time.perf_counter()
+                        if args.native_after:
+                            base = decode_trial(native, batch, new_tokens[s], temperature=t)["tokens_per_s"]
                         split = defaultdict(float)
                         for (kind, at), (_, nxt) in zip(steps, steps[1:] + [(None, end)]):
                             split[kind] += nxt - at
