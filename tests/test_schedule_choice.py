@@ -1,5 +1,6 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
+from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, PAIR_GAP, RATE_WINDOW, RETRY_TIME_SHARE, ScheduleChoice,
@@ -436,3 +437,36 @@ def test_pairs_of_adjacent_steps_outweigh_windows_measured_at_other_speeds():
         steps(PLAIN, 300.0, 0.01, 1)
     assert chooser.rates(4, GREEDY)[PIPELINED][0] < 300.0  # by its window, it still loses
     assert chooser.choose(4, GREEDY).arm == PIPELINED
+
+
+def _pairs_of(chooser, width, mix, first, second, n):
+    """``n`` alternating steps of two arms at their rates (tokens/s, seconds): pairs."""
+    for _ in range(n):
+        for arm, (rate, seconds) in (first, second):
+            chooser.observe(width, mix, arm, width * rate * seconds, seconds)
+
+
+def test_pairs_made_before_the_text_turned_hard_do_not_keep_a_slowed_winner(monkeypatch):
+    """Greedy width 1: the policy's rounds ran at 1000 tokens/s on easy text
+    and their pairs with the pipeline said 1.4x; the text turns hard and the
+    rounds run at 350, under the pipeline's 700. The policy's rate moved 3x
+    since the pairs: they are dropped and the rates decide within half a
+    window (the pairs kept it "faster" for 30 steps in the twenty-ninth
+    session, until a pipelined try was due)."""
+    def run(stale):
+        monkeypatch.setattr(schedule_choice, "PAIRS_STALE", stale)
+        chooser = ScheduleChooser()
+        arms = {PLAIN: (400.0, 0.0025), POLICY: (1000.0, 0.017), PIPELINED: (700.0, 0.024)}
+        for arm, (rate, seconds) in arms.items():
+            _pairs_of(chooser, 1, GREEDY, (arm, (rate, seconds)), (PLAIN, arms[PLAIN]), MIN_SAMPLES)
+        _pairs_of(chooser, 1, GREEDY, (POLICY, arms[POLICY]), (PIPELINED, arms[PIPELINED]), MIN_SAMPLES)
+        assert chooser.choose(1, GREEDY) == ScheduleChoice(POLICY, "faster")
+        hard = {PLAIN: 400.0, POLICY: 350.0, PIPELINED: 700.0}
+        return _run(chooser, 1, GREEDY, hard, 40, seconds={PLAIN: 0.0025, POLICY: 0.006, PIPELINED: 0.024})
+
+    made = run(schedule_choice.PAIRS_STALE)
+    first = made.index(ScheduleChoice(PIPELINED, "faster"))
+    assert first <= RATE_WINDOW // 2 + 1
+    assert ScheduleChoice(POLICY, "faster") not in made[first:]
+    made = run(float("inf"))
+    assert ScheduleChoice(PIPELINED, "faster") not in made[:30]

@@ -49,9 +49,21 @@ def update_mixing_borrowed(key, arm, tokens, seconds, steps=1):
         rate.borrowed = saved
 
 
+def update_keeping_stale_pairs(key, arm, tokens, seconds, steps=1):
+    """``_update`` before PAIRS_STALE (thirtieth session): pairs are kept
+    however far an arm's rate moved since they were made."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    saved, sc.PAIRS_STALE = sc.PAIRS_STALE, float("inf")
+    try:
+        return sc.ScheduleChooser._update(key, arm, tokens, seconds, steps)
+    finally:
+        sc.PAIRS_STALE = saved
+
+
 # rule -> the chooser methods it replaces on the "old" engines' choosers
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
-             "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)]}
+             "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
+             "pairs_stale": [("_update", update_keeping_stale_pairs)]}
 
 
 def main():

@@ -66,7 +66,10 @@ a sample and the last sample of another arm a few steps before it
 (:data:`PAIR_GAP`) make a pair, whose ratio of rates sees one speed; where
 an arm has :data:`MIN_PAIRS` pairs with the leader by rate, it is rated by
 their median ratio to the leader (:func:`_best`). A try is then compared
-with the winner's steps around it. A plain
+with the winner's steps around it. Pairs hold only while the workload
+does: an arm whose rate moved by :data:`PAIRS_STALE` since its last pair
+with another drops their pairs (a greedy request's text turning hard cuts
+the policy arm's rate 3x). A plain
 winner's verdict says how many steps no try can be due in
 (:attr:`ScheduleChoice.hold`): the engine runs them plain without asking,
 while its batch stays the same, and credits them (:meth:`credit_held`),
@@ -135,6 +138,15 @@ HOLD_STEPS = 32
 PAIR_GAP = 3
 PAIR_WINDOW = 8  # an arm pair's ratio: the median of its last this many pairs
 MIN_PAIRS = 3  # pairs before they overrule the rates
+# An arm whose rate moved by this factor since its last pair with another
+# arm (more than the machine's drift, 0.77-1.34x) drops their pairs, and the
+# rates decide until new pairs are made: the workload at the key changed.
+# The key does not see acceptance, and a greedy request's text turning hard
+# moves the policy arm's rate 3x (width 1, d1: 1000 against 350 tokens/s per
+# request); pairs made on easy text kept it "faster" than the pipeline for
+# 30 steps at a third of its old rate, until a pipelined try was due
+# (``benchmarks/results/findings.md``, twenty-ninth and thirtieth sessions).
+PAIRS_STALE = 2.0
 
 
 @dataclass
@@ -194,6 +206,8 @@ class _Key:
     retries: int = 0  # tries so far (they rotate over the losing arms)
     last_winner: str | None = None
     trying: str | None = None  # a short arm whose try has its second (sampled) step to come
+    # (arm, other) -> the arm's rate when their last pair was made (PAIRS_STALE).
+    paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 @dataclass
@@ -356,6 +370,7 @@ class ScheduleChooser:
         rate = key.arms[arm]
         before = (rate.rate, rate.step_seconds)
         rate.update(tokens, seconds, steps, replace_borrowed=arm == PLAIN)
+        _drop_stale_pairs(key, arm)
         if arm != PLAIN or not (before[0] > 0 and before[1] > 0):
             return
         for other, borrowed in key.arms.items():
@@ -375,6 +390,8 @@ class ScheduleChooser:
                 ratio = math.log(rate / other_rate)
                 key.pairs.setdefault((arm, other), deque(maxlen=PAIR_WINDOW)).append(ratio)
                 key.pairs.setdefault((other, arm), deque(maxlen=PAIR_WINDOW)).append(-ratio)
+                key.paired_rate[(arm, other)] = key.arms[arm].rate
+                key.paired_rate[(other, arm)] = key.arms[other].rate
         last[arm] = (self._clock, rate)
 
     def _key(self, where: tuple[int, int, int]) -> _Key:
@@ -483,6 +500,18 @@ def _relative_to_plain(key: _Key, source: _Key, arm: str) -> tuple[float, float]
                             and plain_here.step_seconds > 0 and plain_there.step_seconds > 0):
         return 1.0, 1.0
     return plain_here.rate / plain_there.rate, plain_here.step_seconds / plain_there.step_seconds
+
+
+def _drop_stale_pairs(key: _Key, arm: str) -> None:
+    """Drop ``arm``'s pairs with each other arm made when its rate was
+    :data:`PAIRS_STALE` times away from what it is now: they were made
+    before a change of workload."""
+    rate = key.arms[arm].rate
+    for (first, other), then in list(key.paired_rate.items()):
+        if first == arm and then > 0 and abs(math.log(rate / then)) > math.log(PAIRS_STALE):
+            for pair in ((arm, other), (other, arm)):
+                key.pairs.pop(pair, None)
+                key.paired_rate.pop(pair, None)
 
 
 def _measured(key: _Key, arm: str) -> bool:
