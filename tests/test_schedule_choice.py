@@ -470,3 +470,11 @@ def test_pairs_made_before_the_text_turned_hard_do_not_keep_a_slowed_winner(monk
     assert ScheduleChoice(POLICY, "faster") not in made[first:]
     made = run(float("inf"))
     assert ScheduleChoice(PIPELINED, "faster") not in made[:30]
+
+
+def test_steps_that_committed_nothing_leave_the_pairs_alone():
+    chooser = ScheduleChooser()
+    _pairs_of(chooser, 1, GREEDY, (POLICY, (500.0, 0.01)), (PLAIN, (400.0, 0.003)), MIN_SAMPLES)
+    for _ in range(RATE_WINDOW):
+        chooser.observe(1, GREEDY, POLICY, 0, 0.01)  # a rate of 0: no log of it
+    assert chooser.rates(1, GREEDY)[POLICY][0] == 0.0

@@ -507,6 +507,8 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
     :data:`PAIRS_STALE` times away from what it is now: they were made
     before a change of workload."""
     rate = key.arms[arm].rate
+    if rate <= 0:  # a step that committed nothing (rates are medians, so rarely)
+        return
     for (first, other), then in list(key.paired_rate.items()):
         if first == arm and then > 0 and abs(math.log(rate / then)) > math.log(PAIRS_STALE):
             for pair in ((arm, other), (other, arm)):
