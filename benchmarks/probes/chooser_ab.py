@@ -60,10 +60,32 @@ def update_keeping_stale_pairs(key, arm, tokens, seconds, steps=1):
         sc.PAIRS_STALE = saved
 
 
+def choose_without_tries(self, key, where, in_flight):
+    """``_choose`` with no try ever due (thirtieth session's check of what
+    the tries cost in the sampled cells): a plain verdict then holds for
+    HOLD_STEPS steps at a time."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    saved, sc.RETRY_TIME_SHARE = sc.RETRY_TIME_SHARE, 1e-12
+    try:
+        return type(self)._choose(self, key, where, in_flight)
+    finally:
+        sc.RETRY_TIME_SHARE = saved
+
+
+def choose_plain(self, width, mix, context=0, in_flight=None):
+    """Every step plain, held as a settled plain verdict is, from the
+    engine's first step: no measuring, no tries (the twenty-eighth
+    session's forced-plain engine), against an engine that learned."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    return sc.ScheduleChoice(sc.PLAIN, "faster", hold=sc.HOLD_STEPS)
+
+
 # rule -> the chooser methods it replaces on the "old" engines' choosers
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
              "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
-             "pairs_stale": [("_update", update_keeping_stale_pairs)]}
+             "pairs_stale": [("_update", update_keeping_stale_pairs)],
+             "no_tries": [("_choose", choose_without_tries)],
+             "forced_plain": [("choose", choose_plain)]}
 
 
 def main():
