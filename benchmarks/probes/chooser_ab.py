@@ -80,12 +80,26 @@ def choose_plain(self, width, mix, context=0, in_flight=None):
     return sc.ScheduleChoice(sc.PLAIN, "faster", hold=sc.HOLD_STEPS)
 
 
+CURRENT_REPEAT = 0  # set by main: the repeat being run
+
+
+def choose_plain_after_learning(self, width, mix, context=0, in_flight=None):
+    """The committed chooser through the first repeat (the engine learns:
+    warm-up, measuring, tries), then :func:`choose_plain`: separates what a
+    learned engine carries into its plain steps from what its choices
+    after learning cost (thirtieth session)."""
+    if CURRENT_REPEAT >= 1:
+        return choose_plain(self, width, mix, context, in_flight)
+    return type(self).choose(self, width, mix, context, in_flight)
+
+
 # rule -> the chooser methods it replaces on the "old" engines' choosers
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
              "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
              "pairs_stale": [("_update", update_keeping_stale_pairs)],
              "no_tries": [("_choose", choose_without_tries)],
-             "forced_plain": [("choose", choose_plain)]}
+             "forced_plain": [("choose", choose_plain)],
+             "plain_after_learning": [("choose", choose_plain_after_learning)]}
 
 
 def main():
@@ -119,7 +133,9 @@ def main():
     cells = [(t, s) for t in args.temperatures for s in args.settings]
     runs = {f"{s}{'' if t == 0 else f' T{t}'} c{c}": {n: [] for n in names} for t, s in cells for c in args.concurrency}
     t0 = time.perf_counter()
+    global CURRENT_REPEAT
     for rep in range(args.repeats):
+        CURRENT_REPEAT = rep
         for t, s in cells:
             for c in args.concurrency:
                 batch = [prompts[s][(rep * c + i) % len(prompts[s])] for i in range(c)]
