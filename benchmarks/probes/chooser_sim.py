@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -170,6 +171,9 @@ def main() -> None:
                     help="sigma of the machine's log speed wandering within trials (time constant --wander-tau)")
     ap.add_argument("--wander-tau", type=float, default=1.0)
     ap.add_argument("--without-policy", action="store_true", help="auto's arms are plain and pipelined only")
+    ap.add_argument("--text", type=float, default=0.0,
+                    help="greedy cells: sigma of a trial's log text difficulty at width 1 (over sqrt(c) at width c); "
+                         "it scales the policy's tokens per step by exp(h) and the pipeline's by exp(0.4 h)")
     args = ap.parse_args()
     if args.without_policy:
         sc.ARMS = (sc.PLAIN, sc.PIPELINED)
@@ -197,6 +201,16 @@ def main() -> None:
                             continue
                         new_tokens = settings[s]["new_tokens"]
                         mix = 2 if t else 0
+                        if args.text and not t:
+                            # The trial's text: easy or hard for every arm that
+                            # drafts (at width 1, d1, the policy's rounds ran at
+                            # 1000 tokens/s per request on easy text and 350 on
+                            # hard, the pipeline at 700 and 470: findings,
+                            # twenty-ninth session); a wide batch averages its rows.
+                            h = rng.gauss(0.0, args.text / math.sqrt(c))
+                            weight = {sc.PLAIN: 0.0, sc.POLICY: 1.0, sc.PIPELINED: 0.4}
+                            arms = {a: (step_s, max(1.0, per_step * math.exp(h * weight[a])) if a != sc.PLAIN else per_step)
+                                    for a, (step_s, per_step) in arms.items()}
                         # The machine's speed in this trial: a trend over the run
                         # (the sweeps' first repeats ran up to 1.6x slower) and
                         # a phase per trial.
