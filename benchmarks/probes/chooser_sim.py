@@ -72,6 +72,7 @@ class Engine:
     wander = 0.0  # stationary sigma of the machine's log speed, a random walk over seconds
     wander_tau = 1.0  # its time constant, seconds
     _log_speed = 0.0
+    key_offset = 0  # added to the context the chooser sees (--acceptance-key)
 
     def __init__(self, rng: random.Random, noise: float):
         self.chooser = sc.ScheduleChooser()
@@ -97,7 +98,7 @@ class Engine:
                                    held_starts[-1] - held_starts[0])
                     held_starts = []
                 in_flight = pending[1] if pending else None
-                choice = ch.choose(c, mix, context, in_flight)
+                choice = ch.choose(c, mix, context + self.key_offset, in_flight)
                 arm, hold, held = choice.arm, choice.hold, False
                 sampled = (arm, c) in self.shapes
                 self.shapes.add((arm, c))
@@ -116,7 +117,7 @@ class Engine:
             committed = min(per_step, new_tokens - done)
             step_s *= committed / per_step if arm != sc.PLAIN else 1.0  # a last step drafts what is left
             if sampled and not held:
-                pending = (c, arm, committed * c, step_s, context, after)
+                pending = (c, arm, committed * c, step_s, context + self.key_offset, after)
             after = arm
             self.last_arm = arm
             done += committed
@@ -171,6 +172,8 @@ def main() -> None:
                     help="sigma of the machine's log speed wandering within trials (time constant --wander-tau)")
     ap.add_argument("--wander-tau", type=float, default=1.0)
     ap.add_argument("--without-policy", action="store_true", help="auto's arms are plain and pipelined only")
+    ap.add_argument("--acceptance-key", action="store_true",
+                    help="with --text: the chooser's key tells a hard trial from an easy one")
     ap.add_argument("--text", type=float, default=0.0,
                     help="greedy cells: sigma of a trial's log text difficulty at width 1 (over sqrt(c) at width c); "
                          "it scales the policy's tokens per step by exp(h) and the pipeline's by exp(0.4 h)")
@@ -201,6 +204,7 @@ def main() -> None:
                             continue
                         new_tokens = settings[s]["new_tokens"]
                         mix = 2 if t else 0
+                        h = 0.0
                         if args.text and not t:
                             # The trial's text: easy or hard for every arm that
                             # drafts (at width 1, d1, the policy's rounds ran at
@@ -216,6 +220,10 @@ def main() -> None:
                         # a phase per trial.
                         host = (1 + args.drift * (args.repeats - 1 - rep) / max(args.repeats - 1, 1)) \
                             * rng.lognormvariate(0.0, args.phase)
+                        # --acceptance-key: the chooser's key also tells easy text
+                        # from hard (a context far from any other, so nothing is
+                        # borrowed across it), as a key with an acceptance bucket would.
+                        engine.key_offset = (1 << 20) * (args.acceptance_key and not t and h < 0)
                         auto = engine.run(c, mix, PROMPT_TOKENS[s], new_tokens, arms, host)
                         # The best single arm and plain steps, each run by an
                         # engine of its own on the same machine (its own draws).
