@@ -476,5 +476,7 @@ def test_steps_that_committed_nothing_leave_the_pairs_alone():
     chooser = ScheduleChooser()
     _pairs_of(chooser, 1, GREEDY, (POLICY, (500.0, 0.01)), (PLAIN, (400.0, 0.003)), MIN_SAMPLES)
     for _ in range(RATE_WINDOW):
-        chooser.observe(1, GREEDY, POLICY, 0, 0.01)  # a rate of 0: no log of it
+        chooser.observe(1, GREEDY, POLICY, 0, 0.01)  # a window of rates of 0
     assert chooser.rates(1, GREEDY)[POLICY][0] == 0.0
+    (key,) = chooser._keys.values()
+    assert key.pairs.get((POLICY, PLAIN))  # a rate of 0 is no change of workload: the pairs stay

@@ -16,26 +16,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, add_sweep_protocol_args, load_prompts  # noqa: E402
 
 
-def fill_without_long_losers(self, key, where):
-    """``_fill_from_neighbours`` before LONG_LOSER_BORROW (twenty-sixth
-    session): the committed method with the rule switched off for the call."""
+def _with_rule_constant(name, value, call):
+    """``call()`` with ``schedule_choice.<name>`` set to ``value`` for the
+    call: the committed method with one of its rules switched off."""
     from vllm_loopspec.speculative import schedule_choice as sc
-    saved, sc.LONG_LOSER_BORROW = sc.LONG_LOSER_BORROW, 0.0
+    saved = getattr(sc, name)
+    setattr(sc, name, value)
     try:
-        return type(self)._fill_from_neighbours(self, key, where)
+        return call()
     finally:
-        sc.LONG_LOSER_BORROW = saved
+        setattr(sc, name, saved)
+
+
+def fill_without_long_losers(self, key, where):
+    """``_fill_from_neighbours`` before LONG_LOSER_BORROW (twenty-sixth session)."""
+    return _with_rule_constant("LONG_LOSER_BORROW", 0.0,
+                               lambda: type(self)._fill_from_neighbours(self, key, where))
 
 
 def fill_raw(self, key, where):
     """``_fill_from_neighbours`` before borrowing relative to plain
-    (twenty-seventh session): the committed method with the scaling off."""
-    from vllm_loopspec.speculative import schedule_choice as sc
-    saved, sc._relative_to_plain = sc._relative_to_plain, lambda *args: (1.0, 1.0)
-    try:
-        return type(self)._fill_from_neighbours(self, key, where)
-    finally:
-        sc._relative_to_plain = saved
+    (twenty-seventh session): the scaling off."""
+    return _with_rule_constant("_relative_to_plain", lambda *args: (1.0, 1.0),
+                               lambda: type(self)._fill_from_neighbours(self, key, where))
 
 
 def update_mixing_borrowed(key, arm, tokens, seconds, steps=1):
@@ -52,24 +55,16 @@ def update_mixing_borrowed(key, arm, tokens, seconds, steps=1):
 def update_keeping_stale_pairs(key, arm, tokens, seconds, steps=1):
     """``_update`` before PAIRS_STALE (thirtieth session): pairs are kept
     however far an arm's rate moved since they were made."""
-    from vllm_loopspec.speculative import schedule_choice as sc
-    saved, sc.PAIRS_STALE = sc.PAIRS_STALE, float("inf")
-    try:
-        return sc.ScheduleChooser._update(key, arm, tokens, seconds, steps)
-    finally:
-        sc.PAIRS_STALE = saved
+    from vllm_loopspec.speculative.schedule_choice import ScheduleChooser
+    return _with_rule_constant("PAIRS_STALE", float("inf"),
+                               lambda: ScheduleChooser._update(key, arm, tokens, seconds, steps))
 
 
 def choose_without_tries(self, key, where, in_flight):
     """``_choose`` with no try ever due (thirtieth session's check of what
     the tries cost in the sampled cells): a plain verdict then holds for
     HOLD_STEPS steps at a time."""
-    from vllm_loopspec.speculative import schedule_choice as sc
-    saved, sc.RETRY_TIME_SHARE = sc.RETRY_TIME_SHARE, 1e-12
-    try:
-        return type(self)._choose(self, key, where, in_flight)
-    finally:
-        sc.RETRY_TIME_SHARE = saved
+    return _with_rule_constant("RETRY_TIME_SHARE", 1e-12, lambda: type(self)._choose(self, key, where, in_flight))
 
 
 def choose_plain(self, width, mix, context=0, in_flight=None):

@@ -510,7 +510,7 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
     if rate <= 0:  # a step that committed nothing (rates are medians, so rarely)
         return
     for (first, other), then in list(key.paired_rate.items()):
-        if first == arm and then > 0 and abs(math.log(rate / then)) > math.log(PAIRS_STALE):
+        if first == arm and then > 0 and not then / PAIRS_STALE <= rate <= then * PAIRS_STALE:
             for pair in ((arm, other), (other, arm)):
                 key.pairs.pop(pair, None)
                 key.paired_rate.pop(pair, None)
