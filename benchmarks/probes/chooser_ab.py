@@ -75,6 +75,29 @@ def choose_plain(self, width, mix, context=0, in_flight=None):
     return sc.ScheduleChoice(sc.PLAIN, "faster", hold=sc.HOLD_STEPS)
 
 
+def choose_one_try_budget(self, key, where, in_flight):
+    """``_choose`` before each loser had a try budget of its own
+    (thirty-first session): one budget for the losers, taken in turn, so
+    only the loser in turn may be tried, once the winner's steps since any
+    try afford it. Emulated on the committed method: the loser in turn sees
+    the steps since any try (the least of the losers' counts, every try
+    resetting the tried arm's), the others none."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    losers = [arm for arm in sc.ARMS if arm != sc._winner(key)]
+    in_turn = losers[key.retries % len(losers)]
+    saved = {arm: key.since_try[arm] for arm in losers}
+    for arm in losers:
+        key.since_try[arm] = min(saved.values()) if arm == in_turn else -10 ** 9
+    choice = type(self)._choose(self, key, where, in_flight)
+    stepped = key.since_try[losers[0] if losers[0] != in_turn else losers[-1]] != -10 ** 9
+    for arm in losers:
+        if choice.reason == "retry" and key.since_try[in_turn] == 0 and choice.arm == in_turn:
+            key.since_try[arm] = 0  # a try restarts the one budget
+        else:
+            key.since_try[arm] = saved[arm] + (1 if stepped else 0)
+    return choice
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -94,7 +117,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "pairs_stale": [("_update", update_keeping_stale_pairs)],
              "no_tries": [("_choose", choose_without_tries)],
              "forced_plain": [("choose", choose_plain)],
-             "plain_after_learning": [("choose", choose_plain_after_learning)]}
+             "plain_after_learning": [("choose", choose_plain_after_learning)],
+             "one_try_budget": [("_choose", choose_one_try_budget)]}
 
 
 def main():

@@ -57,7 +57,9 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
-the try to cost at most :data:`RETRY_TIME_SHARE` of the time.
+the try to cost at most :data:`RETRY_TIME_SHARE` of the time (each loser
+has a budget of its own: an expensive loser waiting for its budget does not
+hold back a cheap one's try).
 
 Rates measured at different times do not compare well: this machine's
 speed drifts by tens of percent over seconds, and a loser's window holds
@@ -83,6 +85,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -121,8 +124,14 @@ SPECULATION_MARGIN = 0.03
 # Steps at a key between tries of a losing arm, first and longest: a
 # workload that changed shows within a few tries.
 RETRY_BACKOFF = (8, 64)
-# And a losing arm's tries take at most this share of the time: a pipelined
-# step of a wide sampled batch costs as many as twenty plain steps.
+# And each losing arm's tries take at most this share of the time: a
+# pipelined step of a wide sampled batch costs as many as twenty plain steps
+# (a try of an arm about as fast as the winner costs far less than its steps'
+# time, which the budget counts). A budget per arm: with one for both losers,
+# taken in turn, a pipelined try due only every 700 steps held back the plain
+# arm's tries, so a policy arm that decided plain steps and had rated 14%
+# above plain by noise ran 380 steps without a plain step to pair it with,
+# at 0.93x native (short T=0.8 c16, d2: findings, thirty-first session).
 RETRY_TIME_SHARE = 0.03
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
@@ -202,8 +211,10 @@ class _Key:
     steps: int = 0
     retry_interval: int = RETRY_BACKOFF[0]
     next_retry: int | None = None  # set when the rates first decide
-    since_retry: int = 0  # steps of the winning arm since a loser's last try
-    retries: int = 0  # tries so far (they rotate over the losing arms)
+    # Per arm: steps of a winning arm since the arm's last try (its try
+    # budget, :data:`RETRY_TIME_SHARE`).
+    since_try: dict[str, int] = field(default_factory=lambda: {arm: 0 for arm in ARMS})
+    retries: int = 0  # where the tries' rotation over the losing arms stands
     last_winner: str | None = None
     trying: str | None = None  # a short arm whose try has its second (sampled) step to come
     # (arm, other) -> the arm's rate when their last pair was made (PAIRS_STALE).
@@ -292,26 +303,32 @@ class ScheduleChooser:
         if key.next_retry is None:
             key.next_retry = key.steps + key.retry_interval
         losers = [arm for arm in ARMS if arm != winner]
-        loser = losers[key.retries % len(losers)]
-        won, lost = key.arms[winner], key.arms[loser]
-        # A short arm's try is two steps: the first pays the switch (no sample).
-        short = lost.step_seconds <= LONG_STEP * won.step_seconds
-        cost = (2 if short else 1) * lost.step_seconds
-        if key.steps >= key.next_retry and key.since_retry * won.step_seconds >= cost / RETRY_TIME_SHARE:
-            key.next_retry = key.steps + key.retry_interval
-            key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
-            key.since_retry = 0
-            key.retries += 1
-            key.trying = loser if short else None
-            return ScheduleChoice(loser, "retry")
-        key.since_retry += 1
+        won = key.arms[winner]
+        if key.steps >= key.next_retry:
+            # The next loser in turn whose try its budget affords: an
+            # expensive loser (a pipelined step of a wide sampled batch, 100
+            # ms) waits for its budget without holding back a cheap one's
+            # try (two plain steps), whose pairs with the winner keep a
+            # winner that is level with plain honest.
+            for offset in range(len(losers)):
+                loser = losers[(key.retries + offset) % len(losers)]
+                if key.since_try[loser] >= _try_budget_steps(key, winner, loser):
+                    key.next_retry = key.steps + key.retry_interval
+                    key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
+                    key.since_try[loser] = 0
+                    key.retries += offset + 1
+                    short = key.arms[loser].step_seconds <= LONG_STEP * won.step_seconds
+                    key.trying = loser if short else None
+                    return ScheduleChoice(loser, "retry")
+        for arm in ARMS:
+            key.since_try[arm] += 1
         if winner != PLAIN or not won.step_seconds:
             return ScheduleChoice(winner, "faster")
-        # Steps until a choice could try the loser: both conditions above,
+        # Steps until a choice could try a loser: both conditions above,
         # with the held steps counted as winning ones.
-        # (Rounded down where the division's rounding could hold one step too many.)
         until_due = max(key.next_retry - key.steps - 1,
-                        math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9)) - key.since_retry, 0)
+                        min(_try_budget_steps(key, winner, loser) - key.since_try[loser]
+                            for loser in losers), 0)
         return ScheduleChoice(winner, "faster", hold=int(min(until_due, HOLD_STEPS)))
 
     def credit_held(self, steps: int, timed: int = 0, seconds: float = 0.0) -> None:
@@ -325,7 +342,8 @@ class ScheduleChooser:
         if key is None or steps <= 0:
             return
         key.steps += steps
-        key.since_retry += steps
+        for arm in ARMS:
+            key.since_try[arm] += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
         if timed > 0 and seconds > 0:
             self._update(key, PLAIN, timed, seconds, steps=timed)
@@ -514,6 +532,19 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
             for pair in ((arm, other), (other, arm)):
                 key.pairs.pop(pair, None)
                 key.paired_rate.pop(pair, None)
+
+
+def _try_budget_steps(key: _Key, winner: str, loser: str) -> int:
+    """Steps of ``winner`` after which a try of ``loser`` costs at most
+    :data:`RETRY_TIME_SHARE` of the time: a short arm's try is two steps,
+    the first paying the switch."""
+    won, lost = key.arms[winner], key.arms[loser]
+    short = lost.step_seconds <= LONG_STEP * won.step_seconds
+    cost = (2 if short else 1) * lost.step_seconds
+    if not won.step_seconds:
+        return 0 if not cost else sys.maxsize
+    # Rounded down where the division's rounding could wait one step too many.
+    return math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
 
 
 def _measured(key: _Key, arm: str) -> bool:
