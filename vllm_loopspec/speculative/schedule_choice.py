@@ -57,9 +57,9 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
-the try to cost at most :data:`RETRY_TIME_SHARE` of the time (each loser
-has a budget of its own: an expensive loser waiting for its budget does not
-hold back a cheap one's try).
+the try to cost at most its share of :data:`RETRY_TIME_SHARE` of the
+time (each loser has a budget of its own: an expensive loser waiting for its
+budget does not hold back a cheap one's try).
 
 Rates measured at different times do not compare well: this machine's
 speed drifts by tens of percent over seconds, and a loser's window holds
@@ -124,10 +124,11 @@ SPECULATION_MARGIN = 0.03
 # Steps at a key between tries of a losing arm, first and longest: a
 # workload that changed shows within a few tries.
 RETRY_BACKOFF = (8, 64)
-# And each losing arm's tries take at most this share of the time: a
-# pipelined step of a wide sampled batch costs as many as twenty plain steps
-# (a try of an arm about as fast as the winner costs far less than its steps'
-# time, which the budget counts). A budget per arm: with one for both losers,
+# And the losing arms' tries take at most this share of the time, split
+# evenly between them: a pipelined step of a wide sampled batch costs as many
+# as twenty plain steps. (A share per arm, not split, tried the policy's
+# losing rounds three times as often in the sampled cells: 0.92-0.97x paired
+# at d2, chooser_ab_one_try_budget.json.) A budget per arm: with one for both losers,
 # taken in turn, a pipelined try due only every 700 steps held back the plain
 # arm's tries, so a policy arm that decided plain steps and had rated 14%
 # above plain by noise ran 380 steps without a plain step to pair it with,
@@ -312,7 +313,7 @@ class ScheduleChooser:
             # winner that is level with plain honest.
             for offset in range(len(losers)):
                 loser = losers[(key.retries + offset) % len(losers)]
-                if key.since_try[loser] >= _try_budget_steps(key, winner, loser):
+                if key.since_try[loser] >= _try_budget_steps(key, winner, loser, len(losers)):
                     key.next_retry = key.steps + key.retry_interval
                     key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
                     key.since_try[loser] = 0
@@ -327,7 +328,7 @@ class ScheduleChooser:
         # Steps until a choice could try a loser: both conditions above,
         # with the held steps counted as winning ones.
         until_due = max(key.next_retry - key.steps - 1,
-                        min(_try_budget_steps(key, winner, loser) - key.since_try[loser]
+                        min(_try_budget_steps(key, winner, loser, len(losers)) - key.since_try[loser]
                             for loser in losers), 0)
         return ScheduleChoice(winner, "faster", hold=int(min(until_due, HOLD_STEPS)))
 
@@ -534,17 +535,17 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
                 key.paired_rate.pop(pair, None)
 
 
-def _try_budget_steps(key: _Key, winner: str, loser: str) -> int:
-    """Steps of ``winner`` after which a try of ``loser`` costs at most
-    :data:`RETRY_TIME_SHARE` of the time: a short arm's try is two steps,
-    the first paying the switch."""
+def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
+    """Steps of ``winner`` after which a try of ``loser`` costs at most its
+    share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
+    short arm's try is two steps, the first paying the switch."""
     won, lost = key.arms[winner], key.arms[loser]
     short = lost.step_seconds <= LONG_STEP * won.step_seconds
     cost = (2 if short else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
     # Rounded down where the division's rounding could wait one step too many.
-    return math.ceil(cost / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
+    return math.ceil(cost * losers / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
 
 
 def _measured(key: _Key, arm: str) -> bool:
