@@ -236,6 +236,46 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited
 
 
+def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms, prompts, native_reference):
+    """A step chosen for the policy arm whose policy drafts nothing is a
+    plain step: the chooser observes it as declined (a sample of both the
+    policy's arm and plain), and the step after it follows a plain step."""
+    from vllm_loopspec.speculative.schedule_choice import PLAIN, POLICY, ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser, controller = drafter.chooser, drafter.controller
+    observed = []
+
+    def choose(width, mix, context=0, in_flight=None):
+        return ScheduleChoice(POLICY, "faster")
+
+    def plan(requests, *args, **kwargs):
+        return [0] * len(requests), {}
+
+    def observe(width, mix, arm, committed, seconds, context=0, after=None, declined=False):
+        observed.append((arm, declined, after, committed))
+
+    chooser.choose = choose
+    try:
+        for _ in range(5):  # the policy's warm-up (its steps are not observed)
+            if controller.costs is not None:
+                break
+            llm.generate(prompts[:2], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+        assert controller.costs is not None
+        chooser.observe, controller.plan = observe, plan
+        batch = prompts[:2]
+        outs = llm.generate(batch, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del chooser.choose, chooser.observe, controller.plan
+    for p, o in zip(batch, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, 13)], p[:40]
+    assert drafter.step_drafts == 0
+    assert len(observed) >= 8, observed
+    assert all(arm == POLICY and declined and committed == 2 for arm, declined, _, committed in observed), observed
+    assert all(after == PLAIN for _, _, after, _ in observed[1:]), observed
+
+
 def test_a_hold_that_outlives_its_batch_times_no_idle_gap(loopspec_llms, prompts):
     """A batch that finishes inside a plain verdict's hold leaves the hold
     set; the next batch's first step comes after however long the engine

@@ -123,6 +123,24 @@ def test_an_expensive_loser_does_not_hold_back_a_cheap_ones_tries():
     assert 0 < sum(seconds[c.arm] for c in made if c.arm == PIPELINED) <= 1.1 * RETRY_TIME_SHARE * spent
 
 
+def test_a_policy_step_that_drafted_nothing_is_a_sample_of_plain_too():
+    """Where the policy drafts nothing its steps are plain ones, and one
+    measured at a faster moment (223 against plain's 195 tokens/s) must not
+    make the policy arm win: each such step is a sample of both arms, paired
+    with itself, and the margin gives the steps to plain (with its holds).
+    Observed as the policy's alone, the policy arm wins."""
+    seconds = {PLAIN: 0.005, POLICY: 0.005, PIPELINED: 0.100}
+    for declined, winner in ((True, PLAIN), (False, POLICY)):
+        chooser = ScheduleChooser()
+        rates = {PLAIN: 195.0, POLICY: 223.0, PIPELINED: 172.0}
+        for _ in range(2 * MEASURE):
+            arm = chooser.choose(16, SAMPLED).arm
+            chooser.observe(16, SAMPLED, arm, rates[arm] * seconds[arm], seconds[arm],
+                            declined=declined and arm == POLICY)
+        assert chooser.choose(16, SAMPLED).arm == winner
+    assert chooser.rates(16, SAMPLED)[PLAIN][1] == MIN_SAMPLES
+
+
 def _run_holding(chooser, width, mix, rates, steps, seconds, context=0):
     """As :func:`_run`, but as the engine runs a plain hold: the held steps
     are plain, not chosen, and credited at the next choice with the time

@@ -98,6 +98,13 @@ def choose_one_try_budget(self, key, where, in_flight):
     return choice
 
 
+def observe_declined_as_policy(self, *args, declined=False, **kwargs):
+    """``observe`` before a policy step that drafted nothing counted for
+    plain too (thirty-first session): the policy arm's sample alone. (The
+    drafter still has the step after it follow a plain step.)"""
+    return type(self).observe(self, *args, **kwargs)
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -118,7 +125,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "no_tries": [("_choose", choose_without_tries)],
              "forced_plain": [("choose", choose_plain)],
              "plain_after_learning": [("choose", choose_plain_after_learning)],
-             "one_try_budget": [("_choose", choose_one_try_budget)]}
+             "one_try_budget": [("_choose", choose_one_try_budget)],
+             "declined_as_policy": [("observe", observe_declined_as_policy)]}
 
 
 def main():

@@ -103,11 +103,13 @@ class LoopSpecDrafter:
         # the next step pipelines; _step_pipelined: the running step's.
         self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
-        self._next_choice: tuple[int, int, int, str] | None = None  # (width, mix, context, arm) of the next step
-        # (width, mix, context, arm, start) of the running step; then (..., seconds) of the last one.
-        # (width, mix, context, arm, arm of the step before, start | seconds)
-        self._choice_step: tuple[int, int, int, str, str | None, float] | None = None
-        self._choice_timed: tuple[int, int, int, str, str | None, float] | None = None
+        # (width, mix, context, arm, declined) of the next step; declined: a
+        # step of the policy arm that drafts nothing (a plain step).
+        self._next_choice: tuple[int, int, int, str, bool] | None = None
+        # The running step's choice and the arm of the step before it, with
+        # its start; then the last step's, with its seconds.
+        self._choice_step: tuple[int, int, int, str, bool, str | None, float] | None = None
+        self._choice_timed: tuple[int, int, int, str, bool, str | None, float] | None = None
         self._running_arm: str | None = None  # the arm of the running step, if the chooser chose it
         self._choice_shapes: set[tuple[str, int]] = set()  # (arm, width) of timed steps
         self.step_drafts, self.step_arm = 0, None
@@ -228,7 +230,7 @@ class LoopSpecDrafter:
                 choice = self.chooser.choose(len(decoding_rows), mix, context, in_flight)
                 self._hold_left, self._hold_width = choice.hold, len(decoding_rows)
                 self._next_pipelined = choice.arm == PIPELINED
-                self._next_choice = (len(decoding_rows), mix, context, choice.arm)
+                self._next_choice = (len(decoding_rows), mix, context, choice.arm, False)
                 if choice.arm == PLAIN:
                     # Plain steps have delivered more here than speculation.
                     self.stats.skipped[SKIP_MEASURED] += len(decoding_rows)
@@ -244,12 +246,24 @@ class LoopSpecDrafter:
                 # Under the width cap: a plain step, with no per-request
                 # limits and no policy work.
                 self.stats.skipped[SKIP_WIDTH_CAP] += len(decoding_rows)
+                self._policy_declined()
                 return [0 if d else None for d in rows]
         limits: list[int | None] = [
             self.num_drafts(row, req_id, max_len, None if num_tokens is None else num_tokens(row, req_id))
             if rows[row] else None
             for row, req_id in enumerate(batch.req_ids)]
-        return self._adapt(limits, sampled) if self.controller is not None else limits
+        if self.controller is None:
+            return limits
+        drafts = self._adapt(limits, sampled)
+        if not any(drafts):
+            self._policy_declined()
+        return drafts
+
+    def _policy_declined(self) -> None:
+        """The policy arm's step drafts nothing: it is a plain step, and the
+        chooser sees it as a sample of both arms (:meth:`ScheduleChooser.observe`)."""
+        if self._next_choice is not None and self._next_choice[3] == POLICY:
+            self._next_choice = (*self._next_choice[:4], True)
 
     def _take_held_step(self) -> bool:
         """Whether the next step is one of the chooser's held plain steps:
@@ -279,8 +293,8 @@ class LoopSpecDrafter:
         counts = committed.counts.tolist()
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
-            width, mix, context, arm, after, seconds = self._choice_timed
-            self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after)
+            width, mix, context, arm, declined, after, seconds = self._choice_timed
+            self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after, declined=declined)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -418,11 +432,12 @@ class LoopSpecDrafter:
         running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
         if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
-            width, mix, context, arm, after, start = last
+            width, mix, context, arm, declined, after, start = last
             if self.runner.use_async_scheduling:
-                self._choice_timed = (width, mix, context, arm, after, now - start)
+                self._choice_timed = (width, mix, context, arm, declined, after, now - start)
             elif self._step_committed is not None:
-                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context, after=after)
+                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context, after=after,
+                                     declined=declined)
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
         after, self._running_arm = self._running_arm, PLAIN if held else None
@@ -454,7 +469,8 @@ class LoopSpecDrafter:
         # benchmarks/probes/auto_trace.py), while a first round of a new K
         # took what later ones take (84 against 77-79 ms at K=16), and a
         # rate is a median, which one slow step barely moves.
-        arm = self._running_arm = choice[3]
+        arm = choice[3]
+        self._running_arm = PLAIN if choice[4] else arm  # what the next step follows
         shape = (arm, len(scheduled))
         first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)
