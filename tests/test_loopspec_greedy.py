@@ -239,8 +239,8 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
 def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms, prompts, native_reference):
     """A step chosen for the policy arm whose policy drafts nothing is a
     plain step: the chooser observes it as declined (a sample of both the
-    policy's arm and plain), and the step after it follows a plain step."""
-    from vllm_loopspec.speculative.schedule_choice import PLAIN, POLICY, ScheduleChoice
+    policy's arm and plain)."""
+    from vllm_loopspec.speculative.schedule_choice import POLICY, ScheduleChoice
 
     llm = engine(loopspec_llms, AUTO)
     drafter = model_runner(llm).drafter
@@ -273,7 +273,7 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     assert drafter.step_drafts == 0
     assert len(observed) >= 8, observed
     assert all(arm == POLICY and declined and committed == 2 for arm, declined, _, committed in observed), observed
-    assert all(after == PLAIN for _, _, after, _ in observed[1:]), observed
+    assert all(after == POLICY for _, _, after, _ in observed[1:]), observed
 
 
 def test_a_hold_that_outlives_its_batch_times_no_idle_gap(loopspec_llms, prompts):

@@ -100,8 +100,7 @@ def choose_one_try_budget(self, key, where, in_flight):
 
 def observe_declined_as_policy(self, *args, declined=False, **kwargs):
     """``observe`` before a policy step that drafted nothing counted for
-    plain too (thirty-first session): the policy arm's sample alone. (The
-    drafter still has the step after it follow a plain step.)"""
+    plain too (thirty-first session): the policy arm's sample alone."""
     return type(self).observe(self, *args, **kwargs)
 
 

@@ -469,8 +469,7 @@ class LoopSpecDrafter:
         # benchmarks/probes/auto_trace.py), while a first round of a new K
         # took what later ones take (84 against 77-79 ms at K=16), and a
         # rate is a median, which one slow step barely moves.
-        arm = choice[3]
-        self._running_arm = PLAIN if choice[4] else arm  # what the next step follows
+        arm = self._running_arm = choice[3]
         shape = (arm, len(scheduled))
         first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)

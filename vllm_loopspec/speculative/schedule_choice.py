@@ -367,10 +367,9 @@ class ScheduleChooser:
         are level, and the margin then gives the steps to plain."""
         if seconds <= 0:
             return
-        ran = PLAIN if declined else arm
-        self._last_seconds[arm] = self._last_seconds[ran] = seconds
+        self._last_seconds[arm] = seconds
         key = self._key(_where(width, mix, context))
-        if after is not None and after != ran and not self._long_step(key, arm, seconds):
+        if after is not None and after != arm and not self._long_step(key, arm, seconds):
             # The step after a switch of arm is slower (see the module
             # docstring); a long one carries that as a share of one short step.
             self.switch_steps += 1
