@@ -126,13 +126,14 @@ SPECULATION_MARGIN = 0.03
 RETRY_BACKOFF = (8, 64)
 # And the losing arms' tries take at most this share of the time, split
 # evenly between them: a pipelined step of a wide sampled batch costs as many
-# as twenty plain steps. (A share per arm, not split, tried the policy's
-# losing rounds three times as often in the sampled cells: 0.92-0.97x paired
-# at d2, chooser_ab_one_try_budget.json.) A budget per arm: with one for both losers,
-# taken in turn, a pipelined try due only every 700 steps held back the plain
-# arm's tries, so a policy arm that decided plain steps and had rated 14%
-# above plain by noise ran 380 steps without a plain step to pair it with,
-# at 0.93x native (short T=0.8 c16, d2: findings, thirty-first session).
+# as twenty plain steps. (The full share per arm tried the policy's losing
+# rounds three times as often in the sampled cells: 0.92-0.97x paired at d2,
+# chooser_ab_one_try_budget_per_arm_share.json.) A budget per arm: with one
+# for both losers, taken in turn, a pipelined try due only every 700 steps
+# held back the plain arm's tries, so a policy arm that decided plain steps
+# and had rated 14% above plain by noise ran 380 steps without a plain step
+# to pair it with, at 0.93x native (short T=0.8 c16, d2: findings,
+# thirty-first session).
 RETRY_TIME_SHARE = 0.03
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
@@ -378,9 +379,9 @@ class ScheduleChooser:
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
         per_request = committed / max(int(width), 1)
-        for sampled in (arm, PLAIN) if declined and arm != PLAIN else (arm,):
-            self._update(key, sampled, per_request, seconds)
-            self._pair(key, _where(width, mix, context), sampled, per_request / seconds)
+        for observed_arm in (arm, PLAIN) if declined and arm != PLAIN else (arm,):
+            self._update(key, observed_arm, per_request, seconds)
+            self._pair(key, _where(width, mix, context), observed_arm, per_request / seconds)
 
     @staticmethod
     def _update(key: _Key, arm: str, tokens: float, seconds: float, steps: int = 1) -> None:
