@@ -319,8 +319,7 @@ class ScheduleChooser:
                     key.retry_interval = min(2 * key.retry_interval, RETRY_BACKOFF[1])
                     key.since_try[loser] = 0
                     key.retries += offset + 1
-                    short = key.arms[loser].step_seconds <= LONG_STEP * won.step_seconds
-                    key.trying = loser if short else None
+                    key.trying = loser if _short_try(key, winner, loser) else None
                     return ScheduleChoice(loser, "retry")
         for arm in ARMS:
             key.since_try[arm] += 1
@@ -551,12 +550,17 @@ def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
     short arm's try is two steps, the first paying the switch."""
     won, lost = key.arms[winner], key.arms[loser]
-    short = lost.step_seconds <= LONG_STEP * won.step_seconds
-    cost = (2 if short else 1) * lost.step_seconds
+    cost = (2 if _short_try(key, winner, loser) else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
     # Rounded down where the division's rounding could wait one step too many.
     return math.ceil(cost * losers / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
+
+
+def _short_try(key: _Key, winner: str, loser: str) -> bool:
+    """Whether a try of ``loser`` is two steps (a short arm's first step
+    after a switch pays it and is no sample) rather than one long step."""
+    return key.arms[loser].step_seconds <= LONG_STEP * key.arms[winner].step_seconds
 
 
 def _measured(key: _Key, arm: str) -> bool:
