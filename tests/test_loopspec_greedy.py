@@ -276,6 +276,36 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     assert all(after == POLICY for _, _, after, _ in observed[1:]), observed
 
 
+def test_a_batch_none_of_whose_requests_may_draft_is_neither_chosen_nor_measured(loopspec_llms, prompts,
+                                                                                native_reference):
+    """Requests asking for logprobs decode plainly in every step: a batch of
+    only such requests says nothing about speculating at its key, so the
+    chooser is not asked and observes nothing, and every decode step counts
+    its rows under "logprobs" (fresh-clone CI on 54982d2: a lone logprobs
+    request's steps, observed as declined policy steps, taught its key plain
+    and were counted as "measured_rate")."""
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser = drafter.chooser
+    asked, observed = [], []
+    chooser.choose = lambda *a, **k: asked.append(a) or pytest.fail("chooser asked")
+    chooser.observe = lambda *a, **k: observed.append(a)
+    batch, tokens = prompts[:2], 13
+    before = dict(drafter.stats.skipped)
+    try:
+        outs = llm.generate(batch, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True, logprobs=1),
+                            use_tqdm=False)
+    finally:
+        del chooser.choose, chooser.observe
+    for p, o in zip(batch, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, tokens)], p[:40]
+    counted = {r: n - before.get(r, 0) for r, n in drafter.stats.skipped.items() if n != before.get(r, 0)}
+    # One decision per step after the prefill, for both rows (the last
+    # step's decision is for a step that never runs).
+    assert counted == {"logprobs": 2 * (tokens - 1)} or counted == {"logprobs": 2 * tokens}, counted
+    assert not asked and not observed
+
+
 def test_a_hold_that_outlives_its_batch_times_no_idle_gap(loopspec_llms, prompts):
     """A batch that finishes inside a plain verdict's hold leaves the hold
     set; the next batch's first step comes after however long the engine

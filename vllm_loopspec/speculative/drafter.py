@@ -217,6 +217,17 @@ class LoopSpecDrafter:
             sampled = batch.temperature_cpu[where] > 0
             mix = sampling_mix(sampled)
             if self.chooser is not None and decoding_rows:
+                reasons = self._reasons_none_may_draft(batch.req_ids[row] for row in decoding_rows)
+                if reasons is not None:
+                    # No row may draft (every request asks for logprobs,
+                    # min_p, ...): a plain step that is no evidence about
+                    # speculating at this batch's key, so the chooser
+                    # neither decides nor measures it, and each row counts
+                    # under its own reason (fresh-clone CI on 54982d2: a
+                    # lone logprobs request's steps, observed as declined
+                    # policy steps, taught the key plain).
+                    self.stats.skipped.update(reasons)
+                    return [0 if d else None for d in rows]
                 if self._held_steps:
                     # The steps between the first and the last held start:
                     # plain steps of one width, one after another.
@@ -338,17 +349,9 @@ class LoopSpecDrafter:
         params = state.sampling_params
         if params is None:
             return 0
-        if params.logprobs is not None and self.options.skip_logprobs_requests:
-            self.stats.skipped[SKIP_LOGPROBS] += 1
-            return 0
-        if getattr(params, "structured_outputs", None) is not None:
-            self.stats.skipped[SKIP_STRUCTURED] += 1
-            return 0
-        if params.min_p > _SAMPLING_EPS:
-            self.stats.skipped[SKIP_MIN_P] += 1
-            return 0
-        if params.logit_bias:
-            self.stats.skipped[SKIP_LOGIT_BIAS] += 1
+        reason = self._never_drafts(params)
+        if reason is not None:
+            self.stats.skipped[reason] += 1
             return 0
         if num_tokens is None:
             num_tokens = int(self.runner.input_batch.num_tokens_no_spec[row])
@@ -364,6 +367,31 @@ class LoopSpecDrafter:
             self.stats.skipped[SKIP_BUDGET] += 1
             return 0
         return k
+
+    def _never_drafts(self, params) -> str | None:
+        """Why a request with sampling ``params`` decodes plainly in every
+        step (what it asks the rejection sampler cannot verify), else None."""
+        if params.logprobs is not None and self.options.skip_logprobs_requests:
+            return SKIP_LOGPROBS
+        if getattr(params, "structured_outputs", None) is not None:
+            return SKIP_STRUCTURED
+        if params.min_p > _SAMPLING_EPS:
+            return SKIP_MIN_P
+        if params.logit_bias:
+            return SKIP_LOGIT_BIAS
+        return None
+
+    def _reasons_none_may_draft(self, req_ids) -> list[str] | None:
+        """Each request's reason when none of ``req_ids`` may ever draft
+        (:meth:`_never_drafts`), else None (stops at the first that may)."""
+        requests, reasons = self.runner.requests, []
+        for req_id in req_ids:
+            params = requests[req_id].sampling_params
+            reason = self._never_drafts(params) if params is not None else None
+            if reason is None:
+                return None
+            reasons.append(reason)
+        return reasons
 
     def runs_plain_instead(self, scheduler_output) -> bool:
         """``"auto"``: whether a speculative step (a pipelined one or the
