@@ -107,6 +107,57 @@ def test_mixed_step_kv_equals_serial_oracle(loopspec_llms, oracle, tokenizer):
     assert mixed_steps["checked"] >= 1, "no step mixed a prefill chunk with rows of different K_i"
 
 
+def test_a_rounds_draft_depth_may_change_every_step(loopspec_llms, native_llm, oracle, tokenizer):
+    """Rounds at draft depths 1, 3, 2, 1, ... in turn (the engine's d is 2):
+    at every loop and layer the KV of every position each round touched
+    equals the serial oracle's, every scheduled token passes every loop
+    once, masked draft rows fall in each round's own shallow loops, and the
+    greedy output equals native's. A draft depth is the step's choice alone."""
+    llm = loopspec_llms(K)
+    skip_unless_kv_readable(llm)
+    runner = model_runner(llm)
+    drafter = runner.drafter
+    n_layers, loops = runner.model.config.num_hidden_layers, runner.model.num_loops
+    depths = [1, 3, 2]
+    ran, trace = [], []
+
+    def before(plan):
+        drafter.round_draft_loops = depths[len(ran) % len(depths)]
+        ran.append(drafter.round_draft_loops)
+
+    def check_round():
+        for rnd in (trace.pop() if trace else {}).values():
+            ref = oracle.trace(torch.tensor(rnd["prefix"] + rnd["tokens"]))
+            for u in range(loops):
+                for i in range(n_layers):
+                    k_ref, v_ref = ref.kv[u][i]
+                    for pos, slot in zip(rnd["positions"], rnd["slots"]):
+                        k, v = read_kv(llm, kv_layer_name(u, i, n_layers), slot)
+                        torch.testing.assert_close(k, k_ref[0, :, pos], atol=ATOL, rtol=0)
+                        torch.testing.assert_close(v, v_ref[0, :, pos], atol=ATOL, rtol=0)
+
+    stats = drafter.stats
+    rows0, masked0 = list(stats.rows_per_loop), list(stats.masked_rows_per_loop)
+    prompts = [SHORT[1], SHORT[3], MEDIUM[1]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (19, 12, 27)]
+    drafter.trace = trace
+    try:
+        with _around_execute(llm, before, lambda plan, state: None):
+            _mixed_workload(llm, tokenizer, check_round)
+            got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        drafter.trace = None
+        drafter.round_draft_loops = drafter.draft_loops
+    want = [list(o.outputs[0].token_ids) for o in native_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert set(ran) == set(depths), ran
+    rows = [a - b for a, b in zip(stats.rows_per_loop, rows0 + [0] * loops)]
+    masked = [a - b for a, b in zip(stats.masked_rows_per_loop, masked0 + [0] * loops)]
+    assert len(set(rows)) == 1 and rows[0] > 0, rows
+    # Loops 0..2 draft in some round (d = 3 among them), the last loop never.
+    assert all(m > 0 for m in masked[:3]) and masked[3] == 0, masked
+
+
 @contextlib.contextmanager
 def _row_buckets(llm, buckets):
     """Pad draft ticks to these row counts (as CUDA graph capture will)."""

@@ -131,9 +131,16 @@ class LoopSpecDrafter:
 
         self.model = model
         self.draft_loops = self.options.draft_loops
+        # The next round's draft depth: any d in [1, R) is exact in any step
+        # (a round writes every loop's KV of each token it keeps: loops
+        # [0, d) in its shallow ticks, [d, R) in its deep pass; nothing of d
+        # outlives the step). The engine's draft_loops unless set.
+        self.round_draft_loops = self.draft_loops
         self.num_loops = model.num_loops
         n = model.config.num_hidden_layers
-        self.shallow_layer_names = [kv_layer_name(u, i, n) for u in range(self.draft_loops) for i in range(n)]
+        self._shallow_names = {d: [kv_layer_name(u, i, n) for u in range(d) for i in range(n)]
+                               for d in range(1, self.num_loops)}
+        self.shallow_layer_names = self._shallow_names[self.draft_loops]
 
     def warm_up(self, num_tokens: int) -> None:
         """Compile the model's tick (:class:`~vllm_loopspec.models.ouro.OuroTick`)
@@ -582,8 +589,8 @@ class LoopSpecDrafter:
         from vllm.forward_context import get_forward_context
 
         context = get_forward_context()
-        model = _ServedModel(self.model, self.shallow_layer_names, context, self.draft_loops, self.num_loops,
-                             self.stats)
+        d = self.round_draft_loops
+        model = _ServedModel(self.model, self._shallow_names[d], context, d, self.num_loops, self.stats)
         try:
             return run_round(plan, model, chooser, input_ids, positions)
         finally:
