@@ -186,8 +186,8 @@ class _ProfiledModel(_ServedModel):
     """Times the model compute of each phase of the round."""
 
     def __init__(self, drafter: DebugLoopSpecDrafter, context) -> None:
-        super().__init__(drafter.model, drafter.shallow_layer_names, context, drafter.draft_loops,
-                         drafter.num_loops, drafter.stats)
+        d = drafter.round_draft_loops
+        super().__init__(drafter.model, drafter.shallow_names(d), context, d, drafter.num_loops, drafter.stats)
         self.drafter = drafter
         self.base_seconds = 0.0
         self.verify_seconds = 0.0

@@ -35,7 +35,8 @@ from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, Pipe
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, host_tensor, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
-from vllm_loopspec.speculative.schedule_choice import PIPELINED, PLAIN, POLICY, ScheduleChooser
+from vllm_loopspec.speculative.schedule_choice import (PIPELINED, PLAIN, POLICY, ScheduleChooser, arm_depth,
+                                                       arm_kind, arms_for_depths)
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
 TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
@@ -77,12 +78,18 @@ class LoopSpecDrafter:
         # capture); None on CPU, where shapes cost nothing.
         self.row_buckets: list[int] | None = None
         self._last_num_drafts: np.ndarray | None = None  # K_i of the step just verified
-        self.controller: AdaptiveController | None = None
+        # The adaptive policy of each draft depth a step may run at (one
+        # unless draft_loops is a list): acceptance per position and a
+        # tick's cost depend on the depth. ``controller``: the one of the
+        # depth chosen for the next (then the running) step.
+        self.controllers: dict[int, AdaptiveController] = {}
         if self.options.adaptive:
-            self.controller = AdaptiveController(
-                max_k=self.options.max_speculative_tokens,
-                start_k=self.options.num_speculative_tokens,
-            )
+            self.controllers = {d: AdaptiveController(max_k=self.options.max_speculative_tokens,
+                                                      start_k=self.options.num_speculative_tokens)
+                                for d in self.options.depths}
+        self.controller: AdaptiveController | None = self.controllers.get(self.options.draft_loops)
+        self._next_depth = self.options.draft_loops  # the draft depth of the next step
+        self._round_controller: AdaptiveController | None = None  # the policy whose round was verified last
         self._step_shape: tuple[int, int, int] | None = None  # (ticks, drafting rows, tokens)
         self._step_width: int | None = None  # requests of a decode-only step
         self._step_context = 0  # the step's rows' lengths, summed
@@ -101,7 +108,7 @@ class LoopSpecDrafter:
         # "schedule": "auto": the chooser picks each decode step's arm by
         # measured rate (:mod:`.schedule_choice`). _next_pipelined: whether
         # the next step pipelines; _step_pipelined: the running step's.
-        self.chooser = ScheduleChooser() if self.options.schedule == "auto" else None
+        self.chooser = ScheduleChooser(arms_for_depths(self.options.depths)) if self.options.schedule == "auto" else None
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
         # (width, mix, context, arm, declined) of the next step; declined: a
         # step of the policy arm that drafts nothing (a plain step).
@@ -141,6 +148,10 @@ class LoopSpecDrafter:
         self._shallow_names = {d: [kv_layer_name(u, i, n) for u in range(d) for i in range(n)]
                                for d in range(1, self.num_loops)}
         self.shallow_layer_names = self._shallow_names[self.draft_loops]
+
+    def shallow_names(self, d: int) -> list[str]:
+        """The attention layers of loops ``[0, d)``: a round's shallow ticks."""
+        return self._shallow_names[d]
 
     def warm_up(self, num_tokens: int) -> None:
         """Compile the model's tick (:class:`~vllm_loopspec.models.ouro.OuroTick`)
@@ -247,13 +258,17 @@ class LoopSpecDrafter:
                 in_flight = self._choice_step[3] if self._choice_step is not None else None
                 choice = self.chooser.choose(len(decoding_rows), mix, context, in_flight)
                 self._hold_left, self._hold_width = choice.hold, len(decoding_rows)
-                self._next_pipelined = choice.arm == PIPELINED
+                kind = arm_kind(choice.arm)
+                self._next_pipelined = kind == PIPELINED
                 self._next_choice = (len(decoding_rows), mix, context, choice.arm, False)
-                if choice.arm == PLAIN:
+                if kind != PLAIN:
+                    self._next_depth = arm_depth(choice.arm, self.options.draft_loops)
+                    self.controller = self.controllers[self._next_depth]
+                if kind == PLAIN:
                     # Plain steps have delivered more here than speculation.
                     self.stats.skipped[SKIP_MEASURED] += len(decoding_rows)
                     return [0 if d else None for d in rows]
-                if choice.arm == PIPELINED:
+                if kind == PIPELINED:
                     # A pipelined step: every slot a request may have (its
                     # first proposals are verified inside the step).
                     return [self.num_drafts(row, req_id, max_len,
@@ -280,7 +295,7 @@ class LoopSpecDrafter:
     def _policy_declined(self) -> None:
         """The policy arm's step drafts nothing: it is a plain step, and the
         chooser sees it as a sample of both arms (:meth:`ScheduleChooser.observe`)."""
-        if self._next_choice is not None and self._next_choice[3] == POLICY:
+        if self._next_choice is not None and arm_kind(self._next_choice[3]) == POLICY:
             self._next_choice = (*self._next_choice[:4], True)
 
     def _take_held_step(self) -> bool:
@@ -302,7 +317,7 @@ class LoopSpecDrafter:
         rows = counts.shape[0]
         self._committed_now = _Committed(
             counts=counts, num_drafts=self._last_num_drafts, req_ids=list(batch.req_ids[:rows]),
-            sampled=[bool(t > 0) for t in batch.temperature_cpu[:rows]])
+            sampled=[bool(t > 0) for t in batch.temperature_cpu[:rows]], controller=self._round_controller)
         self._last_num_drafts = None
 
     def _count_committed(self, committed: "_Committed | None") -> None:
@@ -318,7 +333,8 @@ class LoopSpecDrafter:
             return
         for row, k in enumerate(committed.num_drafts):
             if k and row < len(counts):
-                self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0))
+                self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0),
+                                committed.controller)
 
     def _adapt(self, limits: list[int | None], sampled: np.ndarray) -> list[int | None]:
         """The adaptive policy's ``K_i`` within each request's limit;
@@ -412,7 +428,8 @@ class LoopSpecDrafter:
         choice = self._next_choice
         # Not under async scheduling: there the step was scheduled before
         # the choice was made, and its rows do not show arrivals this way.
-        if self.chooser is None or choice is None or choice[3] == PLAIN or self.runner.use_async_scheduling:
+        if (self.chooser is None or choice is None or arm_kind(choice[3]) == PLAIN
+                or self.runner.use_async_scheduling):
             return False
         spec = scheduler_output.scheduled_spec_decode_tokens
         if not scheduler_output.scheduled_new_reqs and _decode_only(scheduler_output):
@@ -430,6 +447,7 @@ class LoopSpecDrafter:
         self._step_scheduled = scheduler_output.num_scheduled_tokens
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         self._step_pipelined = self._next_pipelined
+        self.round_draft_loops = self._next_depth
         # What the step runs, for traces and benchmarks: its largest K_i and,
         # with "auto", the arm it was chosen for (None: not a chosen decode step).
         self.step_drafts = max(map(len, spec_tokens.values())) if spec_tokens else 0
@@ -506,7 +524,8 @@ class LoopSpecDrafter:
         # rate is a median, which one slow step barely moves.
         arm = self._running_arm = choice[3]
         shape = (arm, len(scheduled))
-        first, warming_up = shape not in self._choice_shapes, arm == POLICY and self.controller.costs is None
+        first = shape not in self._choice_shapes
+        warming_up = arm_kind(arm) == POLICY and self.controller.costs is None
         self._choice_shapes.add(shape)
         if not first and not warming_up:
             self._choice_step = (*choice, after, now)
@@ -537,12 +556,14 @@ class LoopSpecDrafter:
         for row, k in enumerate(num_drafts):
             if k and row < len(sampled_token_ids):
                 self._count_row(batch.req_ids[row], bool(batch.temperature_cpu[row] > 0), int(k),
-                                max(len(sampled_token_ids[row]) - 1, 0))
+                                max(len(sampled_token_ids[row]) - 1, 0), self._round_controller)
 
-    def _count_row(self, req_id: str, sampled: bool, num_drafts: int, accepted: int) -> None:
+    def _count_row(self, req_id: str, sampled: bool, num_drafts: int, accepted: int,
+                   controller: AdaptiveController | None) -> None:
+        """``controller``: the policy of the depth the round drafted at."""
         self.stats.count_acceptance(num_drafts, accepted)
-        if self.controller is not None:
-            self.controller.observe_round(req_id, sampled, num_drafts, accepted)
+        if controller is not None:
+            controller.observe_round(req_id, sampled, num_drafts, accepted)
 
     # -- the round -------------------------------------------------------------
     def run_step(self, input_ids: torch.Tensor, positions: torch.Tensor, spec_metadata, common) -> torch.Tensor:
@@ -590,7 +611,7 @@ class LoopSpecDrafter:
 
         context = get_forward_context()
         d = self.round_draft_loops
-        model = _ServedModel(self.model, self._shallow_names[d], context, d, self.num_loops, self.stats)
+        model = _ServedModel(self.model, self.shallow_names(d), context, d, self.num_loops, self.stats)
         try:
             return run_round(plan, model, chooser, input_ids, positions)
         finally:
@@ -678,7 +699,8 @@ class LoopSpecDrafter:
                                   [e.seq_len for e in entries], rows, slots, block_table=block_table)
             return MergedAttention(tick.metadata, tick.slot_mapping, planes.caches)
 
-        schedule = PipelineSchedule(layout, self.num_loops, self.draft_loops, self.options.second_proposal_loop)
+        d = self.round_draft_loops
+        schedule = PipelineSchedule(layout, self.num_loops, d, self.options.second_proposal_loop_at(d))
         model = _PipelineServedModel(self.model, get_forward_context(), self.stats)
         decider = self._pipeline_decider(layout)
         verified = _VerifiedLogits(layout)
@@ -813,6 +835,7 @@ class LoopSpecDrafter:
     def _count_round(self, plan: RoundPlan) -> None:
         num_drafts = plan.layout.num_drafts
         self._last_num_drafts = num_drafts
+        self._round_controller = self.controller
         self.stats.rounds += 1
         self.stats.speculating_rows += int((num_drafts > 0).sum())
         self.stats.drafted_tokens += int(num_drafts.sum())
@@ -826,6 +849,7 @@ class _Committed:
     num_drafts: np.ndarray | None  # K_i per row (None: the step had no round)
     req_ids: list[str]
     sampled: list[bool]
+    controller: AdaptiveController | None = None  # the policy of the depth the round drafted at
 
 
 class _ServedModel:

@@ -53,7 +53,15 @@ class LoopSpecOptions:
     draft_loops: int | None = None
     """d: loops that draft (1 <= d < R). Unset: R // 2. ``"auto"``: the
     calibrated ``d1*`` of the checkpoint's ``loopspec_calibration.json``, or
-    R // 2 when the checkpoint has none."""
+    R // 2 when the checkpoint has none. A list of depths (``"schedule":
+    "auto"`` only): each step drafts at the depth whose arms have delivered
+    the most (:attr:`draft_depths`); this field is then the smallest."""
+    draft_depths: tuple[int, ...] | None = None
+    """Depths the ``"auto"`` chooser picks from per step (``draft_loops``
+    given as a list); None: every step drafts at ``draft_loops``."""
+    depth_second_proposal_loops: tuple[int | None, ...] | None = None
+    """With :attr:`draft_depths`: each depth's ``d2`` for its pipelined
+    steps (``2 * d`` where that is below R)."""
     skip_logprobs_requests: bool = True
     """Requests asking for logprobs decode one token per step (counted as
     skipped) so their logprobs are exactly those of native decoding."""
@@ -71,6 +79,17 @@ class LoopSpecOptions:
     successor's proposal (a multiple of ``draft_loops`` below R); unset:
     no second proposals with ``"pipelined"``, ``2 * draft_loops`` (where
     that is below R) with ``"auto"``."""
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """Every draft depth a step of this engine may run at."""
+        return tuple(self.draft_depths) if self.draft_depths else (self.draft_loops,)
+
+    def second_proposal_loop_at(self, d: int) -> int | None:
+        """``d2`` of a pipelined step drafting at depth ``d``."""
+        if self.draft_depths:
+            return self.depth_second_proposal_loops[list(self.draft_depths).index(d)]
+        return self.second_proposal_loop
 
     @property
     def draft_slots(self) -> int:
@@ -198,6 +217,10 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
     # Unset means R // 2, always (tests and benchmarks rely on it); only the
     # explicit "auto" reads the checkpoint's calibration.
     d = raw.get("draft_loops", loops // 2)
+    depths = None
+    if isinstance(d, list):
+        depths = _draft_depths(d, loops, schedule, raw)
+        d = depths[0]
     if d == "auto":
         if model_path is None:
             model_path = getattr(hf_config, "name_or_path", None) or None
@@ -216,7 +239,7 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
             "--hf-overrides '{\"early_exit_threshold\": 1.0}'."
         )
     d2 = raw.get("second_proposal_loop")
-    if d2 is None and schedule == "auto" and 2 * d < loops:
+    if d2 is None and schedule == "auto" and 2 * d < loops and depths is None:
         d2 = 2 * d
     if d2 is not None:
         if schedule == "round":
@@ -233,4 +256,26 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
         raise LoopSpecConfigError(f"loopspec skip_logprobs_requests must be true or false, got {skip!r}.")
     return LoopSpecOptions(num_speculative_tokens=k, max_speculative_tokens=k_max, adaptive=adaptive,
                            draft_loops=d, skip_logprobs_requests=skip, schedule=schedule,
-                           second_proposal_loop=d2)
+                           second_proposal_loop=d2, draft_depths=depths,
+                           depth_second_proposal_loops=None if depths is None else tuple(
+                               2 * u if 2 * u < loops else None for u in depths))
+
+
+def _draft_depths(values: list, loops: int, schedule: str, raw: dict[str, Any]) -> tuple[int, ...]:
+    """``draft_loops`` given as a list: the depths each step chooses from."""
+    example = f'e.g. "draft_loops": [1, {max(loops // 2, 1)}]' if loops > 2 else '"draft_loops": 1'
+    if schedule != "auto":
+        raise LoopSpecConfigError(
+            f'loopspec draft_loops as a list lets "schedule": "auto" choose each step\'s draft depth; with '
+            f'"schedule": {schedule!r} give one integer, or use "schedule": "auto" ({example}).')
+    if (not values or not all(_positive_int(u) and 1 <= u < loops for u in values)
+            or len(set(values)) != len(values)):
+        raise LoopSpecConfigError(
+            f"loopspec draft_loops as a list must hold distinct integers with 1 <= d < total_ut_steps "
+            f"({loops}), got {values!r}; {example}.")
+    if raw.get("second_proposal_loop") is not None and len(values) > 1:
+        raise LoopSpecConfigError(
+            "loopspec second_proposal_loop is one depth's; with several draft_loops each pipelined step "
+            "refines at twice its draft depth (where that is below R): drop second_proposal_loop, or give "
+            "draft_loops as one integer.")
+    return tuple(sorted(values))

@@ -95,6 +95,27 @@ PLAIN, POLICY, PIPELINED = "plain", "policy", "pipelined"
 CONTEXT_UNIT = 64  # tokens: mean row lengths below this share a context bucket
 ARMS = (PLAIN, POLICY, PIPELINED)
 
+
+def arms_for_depths(depths) -> tuple[str, ...]:
+    """The arms of an engine whose steps may draft at each of ``depths``:
+    plain, then the policy's and the pipelined arm at each depth, named
+    ``policy@d`` and ``pipelined@d`` (one depth: :data:`ARMS`)."""
+    depths = list(depths)
+    if len(depths) == 1:
+        return ARMS
+    return (PLAIN, *(f"{kind}@{d}" for kind in (POLICY, PIPELINED) for d in depths))
+
+
+def arm_kind(arm: str) -> str:
+    """PLAIN, POLICY or PIPELINED, whatever the arm's depth."""
+    return arm.partition("@")[0]
+
+
+def arm_depth(arm: str, default: int) -> int:
+    """The draft depth an arm named for one (``policy@2``) runs at, else ``default``."""
+    _, at, depth = arm.partition("@")
+    return int(depth) if at else default
+
 MIN_SAMPLES = 4  # steps of each arm at a key before the rates decide
 # An arm whose first step at a key delivered under this share of another
 # arm's measured rate, and took more than twice that arm's step, is measured
@@ -207,7 +228,7 @@ class _ArmRate:
 
 @dataclass
 class _Key:
-    arms: dict[str, _ArmRate] = field(default_factory=lambda: {arm: _ArmRate() for arm in ARMS})
+    arms: dict[str, _ArmRate]  # per arm, in the chooser's order
     # (arm, other) -> log(rate of arm / rate of other) of recent pairs; both orders kept.
     pairs: dict[tuple[str, str], deque] = field(default_factory=dict)
     steps: int = 0
@@ -215,7 +236,7 @@ class _Key:
     next_retry: int | None = None  # set when the rates first decide
     # Per arm: steps of a winning arm since the arm's last try (its try
     # budget, :data:`RETRY_TIME_SHARE`).
-    since_try: dict[str, int] = field(default_factory=lambda: {arm: 0 for arm in ARMS})
+    since_try: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # where the tries' rotation over the losing arms stands
     last_winner: str | None = None
     trying: str | None = None  # a short arm whose try has its second (sampled) step to come
@@ -227,7 +248,7 @@ class _Key:
 class ScheduleChoice:
     """The arm of the next step of a batch, and why."""
 
-    arm: str  # PLAIN | POLICY | PIPELINED
+    arm: str  # PLAIN | POLICY | PIPELINED, or one of these at a depth (arms_for_depths)
     reason: str  # "measure" | "faster" | "retry"
     # The winning plain arm: the steps after this one that no try can be
     # due in. The engine may run them plain without asking while its batch
@@ -237,11 +258,12 @@ class ScheduleChoice:
 
     @property
     def pipelined(self) -> bool:
-        return self.arm == PIPELINED
+        return arm_kind(self.arm) == PIPELINED
 
 
 class ScheduleChooser:
-    def __init__(self) -> None:
+    def __init__(self, arms: tuple[str, ...] = ARMS) -> None:
+        self.arms = arms  # PLAIN first (arms_for_depths)
         self._keys: dict[tuple[int, int, int], _Key] = {}  # (width bucket, mix, context bucket)
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
         self.switch_steps = 0  # steps not sampled: they followed a step of another arm
@@ -267,7 +289,7 @@ class ScheduleChooser:
         return choice
 
     def _choose(self, key: _Key, where: tuple[int, int, int], in_flight: str | None) -> ScheduleChoice:
-        unmeasured = [arm for arm in ARMS if not _measured(key, arm)]
+        unmeasured = [arm for arm in self.arms if not _measured(key, arm)]
         if unmeasured:
             self._fill_from_neighbours(key, where)  # borrowing only adds evidence: measured arms stay measured
             unmeasured = [arm for arm in unmeasured
@@ -282,10 +304,10 @@ class ScheduleChooser:
             open_arms = [arm for arm in unmeasured if arm != waiting]
             if not open_arms:
                 # Meanwhile the best measured arm here, else a plain step.
-                measured = [arm for arm in ARMS if arm != waiting and key.arms[arm].samples]
+                measured = [arm for arm in self.arms if arm != waiting and key.arms[arm].samples]
                 return ScheduleChoice(_best(key, measured) if measured else PLAIN, "measure")
             neighbour = self._neighbour_winner(where)
-            if neighbour in open_arms and all(key.arms[arm].samples == 0 for arm in ARMS if arm != neighbour):
+            if neighbour in open_arms and all(key.arms[arm].samples == 0 for arm in self.arms if arm != neighbour):
                 return ScheduleChoice(neighbour, "measure")  # the neighbour's winner first
             if self._last_arm in open_arms and not self._long(self._last_arm):
                 # A streak: the step after a switch is no sample. Not of
@@ -293,7 +315,7 @@ class ScheduleChooser:
                 return ScheduleChoice(self._last_arm, "measure")
             # The policy first: its warm-up (before its cost model exists)
             # feeds no samples, and must run before its steps can count.
-            fewest = min(open_arms, key=lambda arm: (key.arms[arm].samples, arm != POLICY))
+            fewest = min(open_arms, key=lambda arm: (key.arms[arm].samples, arm_kind(arm) != POLICY))
             return ScheduleChoice(fewest, "measure")
         if key.trying is not None:
             arm, key.trying = key.trying, None
@@ -304,7 +326,7 @@ class ScheduleChooser:
         key.last_winner = winner
         if key.next_retry is None:
             key.next_retry = key.steps + key.retry_interval
-        losers = [arm for arm in ARMS if arm != winner]
+        losers = [arm for arm in self.arms if arm != winner]
         won = key.arms[winner]
         if key.steps >= key.next_retry:
             # The next loser in turn whose try its budget affords: an
@@ -321,7 +343,7 @@ class ScheduleChooser:
                     key.retries += offset + 1
                     key.trying = loser if _short_try(key, winner, loser) else None
                     return ScheduleChoice(loser, "retry")
-        for arm in ARMS:
+        for arm in self.arms:
             key.since_try[arm] += 1
         if winner != PLAIN or not won.step_seconds:
             return ScheduleChoice(winner, "faster")
@@ -343,7 +365,7 @@ class ScheduleChooser:
         if key is None or steps <= 0:
             return
         key.steps += steps
-        for arm in ARMS:
+        for arm in self.arms:
             key.since_try[arm] += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
         if timed > 0 and seconds > 0:
@@ -426,7 +448,8 @@ class ScheduleChooser:
     def _key(self, where: tuple[int, int, int]) -> _Key:
         key = self._keys.get(where)  # not setdefault: a _Key built every step costs more than the lookup
         if key is None:
-            key = self._keys[where] = _Key()
+            key = self._keys[where] = _Key(arms={arm: _ArmRate() for arm in self.arms},
+                                           since_try={arm: 0 for arm in self.arms})
         return key
 
     def rates(self, width: int, mix: int, context: int = 0) -> dict[str, tuple[float, int]]:
@@ -588,12 +611,12 @@ def _long_loser(key: _Key, arm: str) -> bool:
 
 def _all_measured(key: _Key) -> bool:
     """Every arm measured enough to decide (a clear loser after one step)."""
-    return all(_measured(key, arm) for arm in ARMS)
+    return all(_measured(key, arm) for arm in key.arms)
 
 
 def _winner(key: _Key) -> str:
     """The arm with the best rate; a speculative one must beat plain by the margin."""
-    return _best(key, ARMS)
+    return _best(key, key.arms)
 
 
 def _best(key: _Key, arms) -> str:
