@@ -107,7 +107,7 @@ def make_llm(checkpoint, speculative_config=None, **overrides):
 def loopspec_llms(tiny_checkpoint):
     """loopspec engines on the tiny checkpoint, built on first use and shared:
     ``loopspec_llms(K, d=2)`` drafts K tokens every round (``"adaptive":
-    false``); ``loopspec_llms(K, d, adaptive=True)`` runs the adaptive policy
+    false``; a tuple of depths: ``"draft_loops"`` as a list); ``loopspec_llms(K, d, adaptive=True)`` runs the adaptive policy
     (K for its warm-up, at most 8); ``schedule="pipelined"`` the pipelined
     step (RFC §7), with ``second_proposal_loop`` its second proposals."""
     engines = {}
@@ -116,7 +116,8 @@ def loopspec_llms(tiny_checkpoint):
             second_proposal_loop: int | None = None):
         key = (k, d, adaptive, schedule, second_proposal_loop)
         if key not in engines:
-            spec = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d, "adaptive": adaptive,
+            spec = {"method": "loopspec", "num_speculative_tokens": k,
+                    "draft_loops": list(d) if isinstance(d, tuple) else d, "adaptive": adaptive,
                     "schedule": schedule}
             if second_proposal_loop is not None:
                 spec["second_proposal_loop"] = second_proposal_loop

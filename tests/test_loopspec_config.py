@@ -67,6 +67,16 @@ def test_auto_schedule_defaults_its_second_proposal_where_the_model_allows_one(t
         assert options["adaptive"] is (spec["schedule"] == "auto")
 
 
+def test_draft_loops_as_a_list_lets_auto_choose_each_steps_depth(tiny_checkpoint):
+    """A list of depths: sorted, the smallest is draft_loops, and each
+    depth's pipelined steps refine at 2 d where 2 d < R (R = 4 here)."""
+    options = _config(tiny_checkpoint, {"method": "loopspec", "draft_loops": [2, 1]}).additional_config["loopspec"]
+    assert options["schedule"] == "auto" and options["draft_loops"] == 1
+    assert list(options["draft_depths"]) == [1, 2]
+    assert list(options["depth_second_proposal_loops"]) == [2, None]
+    assert options["second_proposal_loop"] is None
+
+
 def test_loopspec_engines_keep_vllms_compile_mode_on_cpu(tiny_checkpoint):
     """On CPU a loopspec engine compiles like a native one (its plain steps
     run vLLM's compiled forward; rounds run their loop ranges eagerly). On
@@ -131,6 +141,12 @@ def test_cli_parses_bare_word():
         ({"method": "loopspec", "schedule": "round", "second_proposal_loop": 3}, {}, 'add "schedule": "pipelined"'),
         ({"method": "loopspec", "schedule": "pipelined", "draft_loops": 2, "second_proposal_loop": 3}, {},
          "must be a multiple of draft_loops (2)"),
+        ({"method": "loopspec", "schedule": "round", "adaptive": False, "draft_loops": [1, 2]}, {},
+         'with "schedule": \'round\' give one integer'),
+        ({"method": "loopspec", "draft_loops": [1, 1]}, {}, "distinct integers with 1 <= d < total_ut_steps (4)"),
+        ({"method": "loopspec", "draft_loops": [1, 4]}, {}, "distinct integers with 1 <= d < total_ut_steps (4)"),
+        ({"method": "loopspec", "draft_loops": [1, 2], "second_proposal_loop": 2}, {},
+         "drop second_proposal_loop, or give draft_loops as one integer"),
         ({"method": "loopspec"}, {"worker_cls": "some.other.Worker"}, "remove --worker-cls"),
         ({"method": "loopspec"}, {"hf_overrides": {"early_exit_threshold": 0.5}}, "needs fixed-depth decoding"),
     ],

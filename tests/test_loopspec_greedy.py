@@ -16,11 +16,15 @@ ADAPTIVE = "adaptive"
 # "schedule": "auto" at d = 1: the adaptive policy's steps and pipelined
 # steps (16 slots, second proposals at loop 2), switching between steps.
 AUTO = "auto"
+# "auto" with "draft_loops": [1, 2]: each step's arm at either depth.
+AUTO_DEPTHS = "auto_depths"
 
 
 def engine(loopspec_llms, k):
     if k == AUTO:
         return loopspec_llms(4, 1, adaptive=True, schedule="auto")
+    if k == AUTO_DEPTHS:
+        return loopspec_llms(4, (1, 2), adaptive=True, schedule="auto")
     return loopspec_llms(4, adaptive=True) if k == ADAPTIVE else loopspec_llms(k)
 # Budgets that end inside a round for every K above (not 1 + multiples of K+1).
 BUDGETS = [7, 13, 30]
@@ -53,7 +57,7 @@ def native_outputs(native_llm, prompts, budgets) -> dict:
     return ref
 
 
-@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO])
+@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO, AUTO_DEPTHS])
 def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
     llm = engine(loopspec_llms, k)
     for budget in BUDGETS:
@@ -65,7 +69,7 @@ def test_batch_of_8_equals_native(loopspec_llms, prompts, native_reference, k):
                 assert list(o.outputs[0].token_ids) == native_reference[(p, budget)], (k, budget, p[:40])
 
 
-@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO])
+@pytest.mark.parametrize("k", KS + [ADAPTIVE, AUTO, AUTO_DEPTHS])
 def test_width_1_equals_native(loopspec_llms, prompts, native_reference, k):
     llm = engine(loopspec_llms, k)
     for p in [prompts[0], prompts[8], prompts[10], prompts[11]]:  # short, medium, two chunked
@@ -234,6 +238,56 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     # Every held step ran: the steps between the first and the last held
     # start are timed as one plain sample.
     assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited
+
+
+def test_each_step_may_speculate_at_another_depth(loopspec_llms, prompts, native_reference):
+    """"draft_loops": [1, 2]: the arms of both depths in turn, step after
+    step (rounds and pipelined steps at depth 1 and 2, plain steps between):
+    the output equals native's, and each depth's policy sees the acceptance
+    of its own rounds only."""
+    from vllm_loopspec.speculative.schedule_choice import ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO_DEPTHS)
+    drafter = model_runner(llm).drafter
+    chooser, arms = drafter.chooser, drafter.chooser.arms
+    assert arms == ("plain", "policy@1", "policy@2", "pipelined@1", "pipelined@2")
+    turn, ran, observed = [0], [], []
+    run_step = drafter.run_step
+    counted = {d: c.observe_round for d, c in drafter.controllers.items()}
+
+    def choose(*args, **kwargs):
+        turn[0] += 1
+        return ScheduleChoice(arms[turn[0] % len(arms)], "measure")
+
+    def recording_run_step(*args, **kwargs):
+        ran.append(("pipelined" if drafter._step_pipelined else "policy", drafter.round_draft_loops))
+        return run_step(*args, **kwargs)
+
+    def observe_round_of(d):
+        def observe_round(*args, **kwargs):
+            observed.append((d, ran[-1][1] if ran else None, ran[-1][0] if ran else None))
+            return counted[d](*args, **kwargs)
+        return observe_round
+
+    def plan(requests, *args, **kwargs):  # rounds of two drafts (a warmed policy may decline them here)
+        return [min(2, limit) for _, _, limit in requests], {}
+
+    chooser.choose, drafter.run_step = choose, recording_run_step
+    for d, controller in drafter.controllers.items():
+        controller.observe_round, controller.plan = observe_round_of(d), plan
+    try:
+        batch = prompts[:4]
+        outs = llm.generate(batch, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del chooser.choose, drafter.run_step
+        for controller in drafter.controllers.values():
+            del controller.observe_round, controller.plan
+    for p, o in zip(batch, outs):
+        assert list(o.outputs[0].token_ids) == native_reference[(p, 30)], p[:40]
+    assert {(kind, d) for kind, d in ran} == {("policy", 1), ("policy", 2), ("pipelined", 1), ("pipelined", 2)}
+    # Each policy counts the rounds it drafted, not pipelined steps.
+    assert observed and all(d == depth and kind == "policy" for d, depth, kind in observed), observed
+    assert {d for d, _, _ in observed} == {1, 2}
 
 
 def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms, prompts, native_reference):

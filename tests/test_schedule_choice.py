@@ -527,3 +527,26 @@ def test_steps_that_committed_nothing_leave_the_pairs_alone():
     assert chooser.rates(1, GREEDY)[POLICY][0] == 0.0
     (key,) = chooser._keys.values()
     assert key.pairs.get((POLICY, PLAIN))  # a rate of 0 is no change of workload: the pairs stay
+
+
+def test_with_several_depths_each_arm_at_each_depth_is_measured_and_the_fastest_taken():
+    """``draft_loops`` as a list: the policy's and the pipelined arm at each
+    depth are arms of their own; a step runs at the depth whose arm has
+    delivered the most."""
+    arms = schedule_choice.arms_for_depths([1, 2])
+    assert arms == (PLAIN, "policy@1", "policy@2", "pipelined@1", "pipelined@2")
+    assert schedule_choice.arms_for_depths([2]) == ARMS
+    assert [schedule_choice.arm_kind(a) for a in arms] == [PLAIN, POLICY, POLICY, PIPELINED, PIPELINED]
+    assert [schedule_choice.arm_depth(a, 3) for a in arms] == [3, 1, 2, 1, 2]
+    chooser = ScheduleChooser(arms)
+    rates = {PLAIN: 300.0, "policy@1": 420.0, "policy@2": 520.0, "pipelined@1": 480.0, "pipelined@2": 450.0}
+    made = _run(chooser, 4, GREEDY, rates, len(arms) * MIN_SAMPLES)
+    assert all(c.reason == "measure" for c in made)
+    assert made[0].arm.startswith(POLICY)  # a policy's warm-up first
+    assert {arm: sum(c.arm == arm for c in made) for arm in arms} == {arm: MIN_SAMPLES for arm in arms}
+    # Four losers share the tries' time (RETRY_TIME_SHARE): each is tried
+    # about every 270 steps here.
+    later = _run(chooser, 4, GREEDY, rates, 1200)
+    assert [c.arm for c in later if c.reason == "faster"] == ["policy@2"] * sum(c.reason == "faster" for c in later)
+    assert {c.arm for c in later if c.reason == "retry"} == set(arms) - {"policy@2"}
+    assert ScheduleChoice("pipelined@2", "faster").pipelined

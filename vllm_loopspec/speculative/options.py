@@ -229,7 +229,8 @@ def resolve_options(spec: str | dict[str, Any], hf_config: Any, architectures: l
     if not _positive_int(d) or not 1 <= d < loops:
         raise LoopSpecConfigError(
             f"loopspec draft_loops must be \"auto\" or an integer with 1 <= draft_loops < "
-            f"total_ut_steps ({loops}), got {d!r}; the remaining loops verify."
+            f"total_ut_steps ({loops}) (or, with \"schedule\": \"auto\", a list of such integers), "
+            f"got {d!r}; the remaining loops verify."
         )
     threshold = getattr(hf_config, "early_exit_threshold", 1.0)
     if threshold is not None and threshold < 1.0:
