@@ -75,7 +75,7 @@ bench-all: $(STAMP)
 bench-adaptive: $(STAMP)
 	$(PY) benchmarks/kv_sweep.py --adaptive --adaptive-schedules round auto --compiled --peers --native-twice --native-beside-auto \
 	  --temperatures 0 0.8 --repeats 5 --ks 2 4 8 --pipelined-draft-loops 1 2 --pipelined-ks 16 \
-	  --pipelined-second-loops 2 --out benchmarks/results/adaptive_sweep_auto.json
+	  --pipelined-second-loops 2 --auto-depths 1 2 --out benchmarks/results/adaptive_sweep_auto.json
 	$(PY) benchmarks/kv_sweep.py --adaptive --compiled --peers --temperatures 0 0.8 --repeats 5 \
 	  --out benchmarks/results/adaptive_sweep.json
 	$(PY) benchmarks/adaptive_burst.py --compiled --schedule round

@@ -82,6 +82,13 @@ def beside(arm: str) -> str:
     return f"native (beside {arm})"
 
 
+PER_STEP_PREFIX = "loopspec per-step "  # the arm of --auto-depths: "auto" choosing each step's depth
+
+
+def per_step_arm(depths) -> str:
+    return f"{PER_STEP_PREFIX}d{','.join(map(str, depths))}"
+
+
 def arm_specs(args) -> dict[str, dict | None]:
     """Arm name -> vLLM ``speculative_config`` (None = native)."""
     arms: dict[str, dict | None] = {"native": None}
@@ -101,6 +108,10 @@ def arm_specs(args) -> dict[str, dict | None]:
                 arms[name] = {"method": "loopspec", "draft_loops": d, "schedule": schedule}
                 for k_max in args.adaptive_max_ks:  # the same bounded by max_speculative_tokens
                     arms[f"{name} max{k_max}"] = arms[name] | {"max_speculative_tokens": k_max}
+    if len(args.auto_depths) > 1:
+        # "draft_loops" as a list: the chooser's arms at every depth, one engine.
+        arms[per_step_arm(args.auto_depths)] = {"method": "loopspec", "draft_loops": list(args.auto_depths),
+                                                "schedule": "auto"}
     for d in args.pipelined_draft_loops:
         for k in args.pipelined_ks:
             arms[f"pipelined d{d} K{k}"] = {"method": "loopspec", "num_speculative_tokens": k, "draft_loops": d,
@@ -345,6 +356,9 @@ def main() -> None:
     ap.add_argument("--pipelined-ks", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--pipelined-second-loops", type=int, nargs="*", default=[],
                     help="also each pipelined arm with second_proposal_loop at these d2 (where d1 divides d2)")
+    ap.add_argument("--auto-depths", type=int, nargs="*", default=[],
+                    help="add one \"auto\" engine whose steps choose their draft depth among these "
+                         "(\"draft_loops\" as a list; arm 'loopspec per-step d1,2')")
     ap.add_argument("--compiled", action="store_true", help="vLLM's default compile mode (not enforce_eager)")
     ap.add_argument("--native-twice", action="store_true",
                     help=f"add a second native engine ({SECOND_NATIVE!r}): the spread between two engines of the "
@@ -378,7 +392,8 @@ def main() -> None:
         for c in args.concurrency:
             decode_trial(engines[name], prompt_sets["short"][:c], 16)
     cells = [(t, s) for t in args.temperatures for s in args.settings]
-    besides = [n for n in names if n.endswith(" auto")] if args.native_beside_auto else []
+    besides = ([n for n in names if n.endswith(" auto") or n.startswith(PER_STEP_PREFIX)]
+               if args.native_beside_auto else [])
     runs = {cell: {c: {n: [] for n in names + [beside(a) for a in besides]} for c in args.concurrency}
             for cell in cells}
     t_start = time.perf_counter()

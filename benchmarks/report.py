@@ -629,6 +629,54 @@ def paired_ratio(raw: dict, arm: str, baseline: str) -> float | None:
     return float(np.median(ratios)) if ratios else None
 
 
+PER_STEP_PREFIX = "loopspec per-step "  # kv_sweep.py --auto-depths
+
+
+def per_step_depth_section(rec: dict) -> list[str]:
+    """The "auto" engine that chooses each step's draft depth
+    (``kv_sweep.py --auto-depths``), one engine per cell as a user runs it,
+    against native, the best fixed (d, K) and auto at each fixed d."""
+    names = sorted({n for by_c in rec["results"].values() for row in by_c.values() for n in row
+                    if n.startswith(PER_STEP_PREFIX)})
+    if not names:
+        return []
+    arm = names[0]
+    suffix = adaptive_suffix(rec)
+    lines = [f"`{arm}`: one `\"auto\"` engine with `\"draft_loops\"` as the list "
+             f"`[{arm.removeprefix(PER_STEP_PREFIX + 'd')}]`, each step's arm (plain, or the policy's or the "
+             "pipelined arm at one of the depths) chosen by measured rate. Unlike the table above, no depth is "
+             "picked per cell after the fact. Ratios of medians (paired within repeats).", "",
+             "| cell | c | vs native (paired) | vs best fixed (d, K) (paired) | vs auto at the best d (paired) |",
+             "|---|---|---|---|---|"]
+    ok_native = ok_best = paired_native = paired_best = cells = 0
+    for cell, by_c in rec["results"].items():
+        for c, row in by_c.items():
+            if arm not in row:
+                continue
+            native = row["native"]["median_tokens_per_s"]
+            fixed = {n: r for n, r in row.items() if is_fixed_arm(n)}
+            autos = {n: r for n, r in row.items() if n.endswith(suffix) and not n.startswith(PER_STEP_PREFIX)}
+            a = row[arm]["median_tokens_per_s"]
+            best_fixed = max(fixed, key=lambda n: fixed[n]["median_tokens_per_s"])
+            best_auto = max(autos, key=lambda n: autos[n]["median_tokens_per_s"]) if autos else None
+            raw = rec.get("raw", {}).get(cell, {}).get(c, {})
+            vs_native, vs_fixed = paired_ratio(raw, arm, "native"), paired_ratio(raw, arm, best_fixed)
+            cells += 1
+            ok_native += a >= 0.97 * native
+            ok_best += a >= 0.95 * fixed[best_fixed]["median_tokens_per_s"]
+            paired_native += vs_native is not None and vs_native >= 0.97
+            paired_best += vs_fixed is not None and vs_fixed >= 0.95
+            auto_cell = "–" if best_auto is None else (
+                f"{fmt(a / autos[best_auto]['median_tokens_per_s'])}× "
+                f"({fmt(paired_ratio(raw, arm, best_auto))}×, {best_auto.removeprefix('loopspec ')})")
+            lines.append(f"| {cell} | {c} | **{fmt(a / native)}×** ({fmt(vs_native)}×) | "
+                         f"{fmt(a / fixed[best_fixed]['median_tokens_per_s'])}× ({fmt(vs_fixed)}×, "
+                         f"{best_fixed.removeprefix('loopspec ')}) | {auto_cell} |")
+    lines += ["", f"Per-step depth: ≥ 0.97× native in {ok_native} of {cells} cells (paired {paired_native}); "
+              f"within 5% of the best fixed (d, K) in {ok_best} of {cells} (paired {paired_best}).", ""]
+    return lines
+
+
 def per_depth_counts(rec: dict) -> dict:
     """Cells × d where adaptive at d is >= 0.97x native, and within 5% of
     the best fixed K at the same d."""
@@ -832,6 +880,8 @@ def plot_auto(rec: dict) -> str:
     fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3.6), sharey=True, squeeze=False)
     suffix = adaptive_suffix(rec)
     kinds = [("auto (best d)", lambda n: n.endswith(suffix))]
+    if any(n.startswith(PER_STEP_PREFIX) for n in rec.get("arms", {})):
+        kinds.append(("auto, d per step", lambda n: n.startswith(PER_STEP_PREFIX)))
     if suffix == " auto" and any(n.endswith(" adaptive") for n in rec.get("arms", {})):
         kinds.append(("round policy (best d)", lambda n: n.endswith(" adaptive")))
     kinds += [
@@ -1014,6 +1064,9 @@ def main() -> None:
         lines += ['### `"schedule": "auto"`: a plain, policy or pipelined step, by measured rate', ""]
         lines += adaptive_section(auto) + [f"![auto against native and the best fixed arms](results/plots/"
                                            f"{plot_auto(auto)})", ""]
+        per_step = per_step_depth_section(auto)
+        if per_step:
+            lines += ["#### The draft depth chosen per step", ""] + per_step
         lines += ["### The round policy alone (`\"schedule\": \"round\"`)", ""]
     lines += adaptive_section(adaptive) if adaptive else ["(no adaptive sweep recorded)", ""]
     if burst:
