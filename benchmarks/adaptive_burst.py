@@ -126,6 +126,9 @@ def main() -> None:
                     help="tokens the greedy request decodes alone before the burst arrives")
     ap.add_argument("--schedule", choices=["round", "auto"], default=None,
                     help="the loopspec engine's schedule (default: loopspec's default)")
+    ap.add_argument("--draft-loops", type=int, nargs="+", default=None,
+                    help="the loopspec engine's draft_loops (several: each step chooses its depth, with "
+                         "\"schedule\": \"auto\"); default: loopspec's default")
     ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_burst.json")
     args = ap.parse_args()
 
@@ -136,6 +139,8 @@ def main() -> None:
     common = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=not args.compiled,
                   seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
     spec = {"method": "loopspec"} | ({"schedule": args.schedule} if args.schedule else {})
+    if args.draft_loops:
+        spec["draft_loops"] = args.draft_loops if len(args.draft_loops) > 1 else args.draft_loops[0]
     engines = {"native": LLM(str(args.checkpoint), **common),
                "loopspec adaptive": LLM(str(args.checkpoint), speculative_config=spec, **common)}
     prompts = load_prompts("mixed")

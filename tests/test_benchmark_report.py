@@ -107,3 +107,29 @@ def test_auto_is_also_scored_against_the_native_trial_beside_it(report):
     assert any("≥ 0.97× in 1 of 1 cells" in line and "beside" in line for line in lines)
     header = next(line for line in lines if line.startswith("| cell"))
     assert header.count("|") == table[0].count("|")
+
+
+def test_the_per_step_depth_engine_is_scored_on_its_own(report):
+    """kv_sweep --auto-depths: the engine choosing each step's depth is one
+    arm, scored against native and the best fixed (d, K) without a depth
+    picked per cell; it stays out of auto's best-of-d."""
+    def trials(*rates):
+        return [{"tokens_per_s": r} for r in rates]
+
+    def summary(rates):
+        return {"median_tokens_per_s": sorted(rates)[len(rates) // 2]}
+
+    arms = {"native": (100, 100, 100), "loopspec d2 K4": (120, 120, 120), "loopspec d1 auto": (130, 130, 130),
+            "loopspec d2 auto": (90, 90, 90), "loopspec per-step d1,2": (96, 96, 96)}
+    row = {name: summary(rates) for name, rates in arms.items()}
+    rec = {"command": "kv_sweep", "when": "now", "repeats": 3, "engine": "test", "machine_load": [0, 0, 0],
+           "arms": {name: None for name in arms}, "results": {"short": {"8": row}},
+           "raw": {"short": {"8": {name: trials(*rates) for name, rates in arms.items()}}}}
+    lines = report.per_step_depth_section(rec)
+    table = [line for line in lines if line.startswith("| short")]
+    assert table == ["| short | 8 | **0.96×** (0.96×) | 0.80× (0.80×, d2 K4) | 0.74× (0.74×, d1 auto) |"]
+    assert any("≥ 0.97× native in 0 of 1 cells (paired 0); within 5% of the best fixed (d, K) in 0 of 1 "
+               "(paired 0)" in line for line in lines)
+    assert any("**1.30×**" in line for line in report.adaptive_section(rec))  # best of d: d1 auto, not per-step
+    assert report.per_step_depth_section({**rec, "results": {"short": {"8": {
+        n: r for n, r in row.items() if not n.startswith("loopspec per-step")}}}}) == []
