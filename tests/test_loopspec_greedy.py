@@ -272,22 +272,36 @@ def test_each_step_may_speculate_at_another_depth(loopspec_llms, prompts, native
     def plan(requests, *args, **kwargs):  # rounds of two drafts (a warmed policy may decline them here)
         return [min(2, limit) for _, _, limit in requests], {}
 
+    timed = []  # (policy's depth, depth of the step it was given)
+    timed_steps = {d: c.observe_step for d, c in drafter.controllers.items()}
+
+    def observe_step_of(d):
+        def observe_step(*args, **kwargs):
+            timed.append((d, drafter.round_draft_loops))
+            return timed_steps[d](*args, **kwargs)
+        return observe_step
+
     chooser.choose, drafter.run_step = choose, recording_run_step
     for d, controller in drafter.controllers.items():
         controller.observe_round, controller.plan = observe_round_of(d), plan
+        controller.observe_step = observe_step_of(d)
     try:
         batch = prompts[:4]
         outs = llm.generate(batch, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
     finally:
         del chooser.choose, drafter.run_step
         for controller in drafter.controllers.values():
-            del controller.observe_round, controller.plan
+            del controller.observe_round, controller.plan, controller.observe_step
     for p, o in zip(batch, outs):
         assert list(o.outputs[0].token_ids) == native_reference[(p, 30)], p[:40]
     assert {(kind, d) for kind, d in ran} == {("policy", 1), ("policy", 2), ("pipelined", 1), ("pipelined", 2)}
     # Each policy counts the rounds it drafted, not pipelined steps.
     assert observed and all(d == depth and kind == "policy" for d, depth, kind in observed), observed
     assert {d for d, _, _ in observed} == {1, 2}
+    # Each step's time goes to the policy of its own depth (not to the next
+    # step's, which propose chose before the step finished).
+    assert timed and all(d == depth for d, depth in timed), timed
+    assert {d for d, _ in timed} == {1, 2}
 
 
 def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms, prompts, native_reference):

@@ -477,6 +477,9 @@ class LoopSpecDrafter:
             busy = not scheduler_output.scheduled_new_reqs  # else the engine may have idled
             self.controller.observe_gap(now - self._step_end if busy else None)
         self._step_start = now
+        # The policy of the step's depth: by step_finished, propose may have
+        # chosen the next step's (another depth's).
+        self._step_controller = self.controller
 
     def _time_schedule_choice(self, now: float, scheduler_output) -> None:
         """``"auto"``: the last decode step's seconds, start to this start
@@ -535,7 +538,7 @@ class LoopSpecDrafter:
             return
         self._step_end = time.perf_counter()
         mix = self._sampling_mix() if self._step_width else 0  # only decode-only steps feed the correction
-        self.controller.observe_step(*self._step_shape, self._step_end - self._step_start,
+        self._step_controller.observe_step(*self._step_shape, self._step_end - self._step_start,
                                      width=self._step_width, committed=self._step_committed,
                                      context=self._step_context, mix=mix)
         self._step_shape = None
