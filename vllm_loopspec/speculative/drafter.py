@@ -177,6 +177,10 @@ class LoopSpecDrafter:
         """The runner whose batch this drafter speculates for (its input
         batch, requests and attention groups)."""
         self.runner = runner
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        self._tp_group = group if group.world_size > 1 else None
 
     def propose(self, sampled_token_ids, *args, **kwargs) -> list[list[int]] | torch.Tensor:
         """Placeholder drafts for the next step, ``K_i`` per request."""
@@ -256,7 +260,7 @@ class LoopSpecDrafter:
                 # The step that just ran is observed when the next starts: the
                 # chooser waits for it before measuring a long arm again.
                 in_flight = self._choice_step[3] if self._choice_step is not None else None
-                choice = self.chooser.choose(len(decoding_rows), mix, context, in_flight)
+                choice = self._choose_on_every_rank(len(decoding_rows), mix, context, in_flight)
                 self._hold_left, self._hold_width = choice.hold, len(decoding_rows)
                 kind = arm_kind(choice.arm)
                 self._next_pipelined = kind == PIPELINED
@@ -291,6 +295,20 @@ class LoopSpecDrafter:
         if not any(drafts):
             self._policy_declined()
         return drafts
+
+    def _choose_on_every_rank(self, width: int, mix: int, context: int, in_flight: str | None):
+        """The chooser's choice for the next step; under tensor parallelism,
+        TP rank 0's on every rank. Each rank times its own steps, so ranks'
+        choosers may rate arms differently, and ranks that ran different arms
+        (a round against a pipelined step, another depth, a hold of another
+        length) would run different collectives: the step would hang or
+        compute garbage. The drafts' count per request is already rank 0's
+        (vLLM's scheduler takes the driver's proposal)."""
+        group = self._tp_group
+        if group is None:
+            return self.chooser.choose(width, mix, context, in_flight)
+        choice = self.chooser.choose(width, mix, context, in_flight) if group.rank_in_group == 0 else None
+        return group.broadcast_object(choice, src=0)
 
     def _policy_declined(self) -> None:
         """The policy arm's step drafts nothing: it is a plain step, and the
