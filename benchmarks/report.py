@@ -1075,6 +1075,10 @@ def main() -> None:
     if burst_auto:
         lines += ['### The same burst with `"schedule": "auto"`', ""]
         lines += burst_section(burst_auto, "adaptive_burst_auto.png")
+    burst_depths = load("adaptive_burst_auto_depths.json")
+    if burst_depths:
+        lines += ['### The same burst with `"draft_loops": [1, 2]` (the depth chosen per step)', ""]
+        lines += burst_section(burst_depths, "adaptive_burst_auto_depths.png")
     async_rec = load("async_decode.json")
     lines += ["## Async scheduling (issue 15)", ""]
     lines += async_section(async_rec) if async_rec else ["(no async run recorded)", ""]
