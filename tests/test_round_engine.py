@@ -65,6 +65,19 @@ def _around_execute(llm, before, after):
         del drafter.execute
 
 
+def _assert_kv_equals_oracle(llm, oracle, rnd: dict, loops: int, n_layers: int) -> None:
+    """At every loop and layer, the KV of each position a traced round
+    (``drafter.trace``) touched equals the serial oracle's over its sequence."""
+    ref = oracle.trace(torch.tensor(rnd["prefix"] + rnd["tokens"]))
+    for u in range(loops):
+        for i in range(n_layers):
+            k_ref, v_ref = ref.kv[u][i]
+            for pos, slot in zip(rnd["positions"], rnd["slots"]):
+                k, v = read_kv(llm, kv_layer_name(u, i, n_layers), slot)
+                torch.testing.assert_close(k, k_ref[0, :, pos], atol=ATOL, rtol=0)
+                torch.testing.assert_close(v, v_ref[0, :, pos], atol=ATOL, rtol=0)
+
+
 def test_mixed_step_kv_equals_serial_oracle(loopspec_llms, oracle, tokenizer):
     llm = loopspec_llms(K)
     skip_unless_kv_readable(llm)
@@ -88,15 +101,7 @@ def test_mixed_step_kv_equals_serial_oracle(loopspec_llms, oracle, tokenizer):
             return
         mixed_steps["checked"] += 1
         for rnd in rounds.values():
-            seq = torch.tensor(rnd["prefix"] + rnd["tokens"])
-            ref = oracle.trace(seq)
-            for u in range(loops):
-                for i in range(n_layers):
-                    k_ref, v_ref = ref.kv[u][i]
-                    for pos, slot in zip(rnd["positions"], rnd["slots"]):
-                        k, v = read_kv(llm, kv_layer_name(u, i, n_layers), slot)
-                        torch.testing.assert_close(k, k_ref[0, :, pos], atol=ATOL, rtol=0)
-                        torch.testing.assert_close(v, v_ref[0, :, pos], atol=ATOL, rtol=0)
+            _assert_kv_equals_oracle(llm, oracle, rnd, loops, n_layers)
 
     runner.drafter.trace = trace
     try:
@@ -127,14 +132,7 @@ def test_a_rounds_draft_depth_may_change_every_step(loopspec_llms, native_llm, o
 
     def check_round():
         for rnd in (trace.pop() if trace else {}).values():
-            ref = oracle.trace(torch.tensor(rnd["prefix"] + rnd["tokens"]))
-            for u in range(loops):
-                for i in range(n_layers):
-                    k_ref, v_ref = ref.kv[u][i]
-                    for pos, slot in zip(rnd["positions"], rnd["slots"]):
-                        k, v = read_kv(llm, kv_layer_name(u, i, n_layers), slot)
-                        torch.testing.assert_close(k, k_ref[0, :, pos], atol=ATOL, rtol=0)
-                        torch.testing.assert_close(v, v_ref[0, :, pos], atol=ATOL, rtol=0)
+            _assert_kv_equals_oracle(llm, oracle, rnd, loops, n_layers)
 
     stats = drafter.stats
     rows0, masked0 = list(stats.rows_per_loop), list(stats.masked_rows_per_loop)
