@@ -147,7 +147,6 @@ class LoopSpecDrafter:
         n = model.config.num_hidden_layers
         self._shallow_names = {d: [kv_layer_name(u, i, n) for u in range(d) for i in range(n)]
                                for d in range(1, self.num_loops)}
-        self.shallow_layer_names = self._shallow_names[self.draft_loops]
 
     def shallow_names(self, d: int) -> list[str]:
         """The attention layers of loops ``[0, d)``: a round's shallow ticks."""
