@@ -7,7 +7,7 @@ This forces the steps of one ``"auto"`` engine (d=2) to a pattern, records
 every ``observe`` the chooser gets (arm, seconds, committed per request) and
 prints the plain arm's step time by its place after a pipelined step.
 
-    python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts] [-v]
+    python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts] [reps] [-v]
 """
 import collections
 import statistics
@@ -36,8 +36,8 @@ def main():
                **ENGINE_ARGS)
     chooser = model_runner(auto).drafter.chooser
     choose, observe = chooser.choose, chooser.observe
-    forced = {"pattern": ["plain"], "i": 0, "prev": None}
-    seen = []  # (pattern, arm, previous arm, seconds, committed per request)
+    forced = {"pattern": ["plain"], "i": 0, "prev": None, "run": 0}
+    seen = []  # (pattern, arm, previous arm, seconds, committed per request, place in the arm's run)
     log = []  # the chooser's own choices, as observed: (width, context, arm, after, ms, committed)
 
     def forced_choose(w, m, c=0, in_flight=None):
@@ -49,27 +49,29 @@ def main():
         forced["i"] += 1
         return ScheduleChoice(arm, "measure")
 
-    def recording_observe(w, m, arm, committed, seconds, context=0, after=None):
-        seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1)))
+    def recording_observe(w, m, arm, committed, seconds, context=0, after=None, **kwargs):
+        forced["run"] = forced["run"] + 1 if arm == forced["prev"] else 1
+        seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1), forced["run"]))
         if forced["pattern"] is None:
             log.append((w, context, arm, after, round(seconds * 1e3, 2), committed))
         forced["prev"] = arm
-        return observe(w, m, arm, committed, seconds, context, after=after)
+        return observe(w, m, arm, committed, seconds, context, after=after, **kwargs)
 
     chooser.choose, chooser.observe = forced_choose, recording_observe
     params = SamplingParams(max_tokens=192, temperature=temperature, ignore_eos=True, seed=None)
     native_seconds = collections.defaultdict(list)
-    for rep in range(4):
+    reps = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[4] != "-v" else 4
+    for rep in range(reps):
         batch = [prompts[(rep * width + i) % len(prompts)] for i in range(width)]
         t = time.perf_counter()
         native.generate(batch, params, use_tqdm=False)
         native_seconds["native"].append(time.perf_counter() - t)
         for name, pattern in patterns.items():
-            forced.update(pattern=pattern, i=0, prev=None, name=name if rep else "warm-up")
+            forced.update(pattern=pattern, i=0, prev=None, run=0, name=name if rep else "warm-up")
             t = time.perf_counter()
             auto.generate(batch, params, use_tqdm=False)
             native_seconds[name].append(time.perf_counter() - t)
-    print("trial seconds (median of 3 after warm-up):")
+    print(f"trial seconds (median of {reps - 1} after warm-up):")
     for name, s in native_seconds.items():
         print(f"  {name:22s} {statistics.median(s[1:]):.3f}  {[round(x, 3) for x in s]}")
     if "-v" in sys.argv:
@@ -78,13 +80,19 @@ def main():
             print("  ", *row)
     print("observed step ms and tok/s per request, by pattern, arm and the arm before it:")
     groups = collections.defaultdict(list)
-    for name, arm, prev, seconds, per_request in seen:
+    places = collections.defaultdict(list)
+    for name, arm, prev, seconds, per_request, run in seen:
         if name != "warm-up":
             groups[(name, arm, prev)].append((seconds, per_request))
+            places[(name, arm, min(run, 12))].append(seconds)
     for (name, arm, prev), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ms = statistics.median(s for s, _ in rows) * 1e3
         rate = statistics.median(c / s for s, c in rows)
         print(f"  {name:22s} {arm:10s} after {str(prev):10s} n={len(rows):4d}  {ms:7.2f} ms  {rate:7.1f} tok/s/req")
+    print("observed step ms by the step's place in its arm's run (1: after a switch, or a trial's first"
+          " observed step; 12: the twelfth or later):")
+    for (name, arm, run), rows in sorted(places.items()):
+        print(f"  {name:22s} {arm:10s} {run:3d} n={len(rows):4d}  {statistics.median(rows) * 1e3:7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ choices other than a plain verdict's with the chooser's state at each
 trial, to OUT.
 
     python benchmarks/probes/auto_cost_split.py OUT [--draft-loops 1 2] [--repeats 5] [--temperatures 0.8]
-        [--native-after]
+        [--native-after] [--per-step-depths 1 2]
 """
 import argparse, json, statistics, sys, time
 from collections import defaultdict
@@ -70,11 +70,17 @@ def main():
     add_sweep_protocol_args(ap)
     ap.add_argument("--native-after", action="store_true",
                     help="the native trial right after each auto trial, not before (does the order matter?)")
+    ap.add_argument("--per-step-depths", type=int, nargs="*", default=[],
+                    help="also an auto engine whose draft depth is chosen per step among these")
     args = ap.parse_args()
     engine_args = ENGINE_ARGS | {"max_num_seqs": max(args.concurrency)}
     native = LLM(CHECKPOINT, **engine_args)
     autos = {f"d{d}": LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                           **engine_args) for d in args.draft_loops}
+    if args.per_step_depths:
+        autos["d" + ",".join(map(str, args.per_step_depths))] = LLM(
+            CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": args.per_step_depths,
+                                            "schedule": "auto"}, **engine_args)
     prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}
     new_tokens = {"short": 128, "long": 192}
     for llm in [native, *autos.values()]:  # kv_sweep.py's warm-up

@@ -104,6 +104,21 @@ def observe_declined_as_policy(self, *args, declined=False, **kwargs):
     return type(self).observe(self, *args, **kwargs)
 
 
+def observe_one_switch_step(self, width, mix, arm, committed, seconds, context=0, after=None, declined=False):
+    """``observe`` before SWITCH_STEPS and UNCHOSEN (thirty-third session):
+    only the first step after a switch of arm is no sample, and a step
+    after one the chooser did not choose (a prefill) is one."""
+    from vllm_loopspec.speculative import schedule_choice as sc
+    after = None if after == sc.UNCHOSEN else after
+    return _with_rule_constant("SWITCH_STEPS", 1, lambda: type(self).observe(
+        self, width, mix, arm, committed, seconds, context, after=after, declined=declined))
+
+
+def choose_one_switch_step(self, key, where, in_flight):
+    """``_choose`` with tries of a short arm two steps long, as before SWITCH_STEPS."""
+    return _with_rule_constant("SWITCH_STEPS", 1, lambda: type(self)._choose(self, key, where, in_flight))
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -125,7 +140,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "forced_plain": [("choose", choose_plain)],
              "plain_after_learning": [("choose", choose_plain_after_learning)],
              "one_try_budget": [("_choose", choose_one_try_budget)],
-             "declined_as_policy": [("observe", observe_declined_as_policy)]}
+             "declined_as_policy": [("observe", observe_declined_as_policy)],
+             "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)]}
 
 
 def main():

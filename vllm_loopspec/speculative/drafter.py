@@ -35,7 +35,7 @@ from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, Pipe
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, host_tensor, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
 from vllm_loopspec.speculative.round import RoundOutput, run_round
-from vllm_loopspec.speculative.schedule_choice import (PIPELINED, PLAIN, POLICY, ScheduleChooser, arm_depth,
+from vllm_loopspec.speculative.schedule_choice import (PIPELINED, PLAIN, POLICY, UNCHOSEN, ScheduleChooser, arm_depth,
                                                        arm_kind, arms_for_depths)
 from vllm_loopspec.speculative.metrics import LoopSpecStats
 
@@ -117,7 +117,7 @@ class LoopSpecDrafter:
         # its start; then the last step's, with its seconds.
         self._choice_step: tuple[int, int, int, str, bool, str | None, float] | None = None
         self._choice_timed: tuple[int, int, int, str, bool, str | None, float] | None = None
-        self._running_arm: str | None = None  # the arm of the running step, if the chooser chose it
+        self._running_arm: str = UNCHOSEN  # the arm of the running step, if the chooser chose it
         self._choice_shapes: set[tuple[str, int]] = set()  # (arm, width) of timed steps
         self.step_drafts, self.step_arm = 0, None
         self._plain_arm_steps = 0  # "auto": steps of its plain arm
@@ -513,7 +513,7 @@ class LoopSpecDrafter:
                                      declined=declined)
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
-        after, self._running_arm = self._running_arm, PLAIN if held else None
+        after, self._running_arm = self._running_arm, PLAIN if held else UNCHOSEN
         if held and not scheduler_output.scheduled_new_reqs:
             # A step with new requests ends the timed span at the last held
             # start: the engine may have idled before it (a batch that

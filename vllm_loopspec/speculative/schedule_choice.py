@@ -33,9 +33,11 @@ follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 (``benchmarks/probes/arm_rates_forced.py``: 5.5 against 4.7 ms at width 4,
 long prompts, T=0.8; the model forward itself is slower, and the excess
 fades over three steps), so plain steps measured between speculative ones
-made a pipeline that loses 10% to plain steps look 10% faster. Short arms
-are therefore measured in streaks, and a short arm's try lasts two steps
-(the first pays the switch); a long step (:data:`LONG_STEP` times the
+made a pipeline that loses 10% to plain steps look 10% faster. The
+slowdown fades over several steps (:data:`SWITCH_STEPS`), so a short arm's
+first steps after a switch are no samples: short arms are measured in
+streaks, and a short arm's try lasts :data:`SWITCH_STEPS` steps more than
+its sample; a long step (:data:`LONG_STEP` times the
 shortest arm's) counts after a switch (a pipelined step after a plain one
 takes as long as one after a pipelined one: the same probe). A step is
 observed when the next one starts, so a long arm's step in flight is not
@@ -94,6 +96,11 @@ from vllm_loopspec.speculative.adaptive import width_bucket
 PLAIN, POLICY, PIPELINED = "plain", "policy", "pipelined"
 CONTEXT_UNIT = 64  # tokens: mean row lengths below this share a context bucket
 ARMS = (PLAIN, POLICY, PIPELINED)
+# The ``after`` of a step that follows one the chooser did not choose (a
+# prefill, a step with arrivals): a switch too. The first plain step after a
+# batch's prefill took 3.58 ms against 2.9-3.0 for the next ones (width 4,
+# short prompts, T=0.8: arm_rates_forced_short_c4_t08.txt).
+UNCHOSEN = "unchosen"
 
 
 def arms_for_depths(depths) -> tuple[str, ...]:
@@ -138,6 +145,20 @@ LONG_STEP = 4
 # (:data:`CLEAR_LOSS`), which would count at its own key: a close loser stays
 # measured where it is.
 LONG_LOSER_BORROW = 0.9
+# A short arm's first this many steps after a step of another arm (or one the
+# chooser did not choose, :data:`UNCHOSEN`) are no samples. Plain steps at
+# width 4, T=0.8: long prompts, 4.66 ms in a run of them; after a pipelined
+# step the first 5.52 ms, the second and third 4.96 (arm_rates_forced.json).
+# Short prompts, 3.0 ms in a run; after a pipelined step 3.51, 3.14, 3.03,
+# 2.95 (arm_rates_forced_short_c4_t08.txt). With only the first dropped, a
+# plain try's sample (its second step) rated plain some 5% low, and a
+# pipeline level with plain steps won by the margin: at short T=0.8 c4 it
+# rated 365-380 tokens/s per request against plain's 328-356, ran 40-90% of
+# the trials' time, at 0.90-0.95x the native trial beside it
+# (auto_cost_split_sampled_wide_d2_perstep.json). Two, not three: each
+# dropped step lengthens every short arm's measuring streak and try
+# (chooser_ab_one_switch_step*.json, thirty-third session).
+SWITCH_STEPS = 2
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 BORROWED_STEPS = 3  # steps an arm new to a key takes from an adjacent key's
 # A speculative arm must beat the plain one by this share.
@@ -239,7 +260,8 @@ class _Key:
     since_try: dict[str, int] = field(default_factory=dict)
     retries: int = 0  # where the tries' rotation over the losing arms stands
     last_winner: str | None = None
-    trying: str | None = None  # a short arm whose try has its second (sampled) step to come
+    trying: str | None = None  # a short arm whose try has steps to come
+    try_left: int = 0  # and how many
     # (arm, other) -> the arm's rate when their last pair was made (PAIRS_STALE).
     paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
 
@@ -267,6 +289,9 @@ class ScheduleChooser:
         self._keys: dict[tuple[int, int, int], _Key] = {}  # (width bucket, mix, context bucket)
         self.decisions: dict[tuple[str, str], int] = {}  # (arm, reason) -> steps
         self.switch_steps = 0  # steps not sampled: they followed a step of another arm
+        # The arm of the last observed step, and how many of its steps in a
+        # row came before that one (SWITCH_STEPS).
+        self._run: tuple[str | None, int] = (None, 0)
         self._last_arm: str | None = None  # the arm of the last choice, at any key
         self._last_seconds: dict[str, float] = {}  # per arm: its last observed step, at any key
         self._last_key: _Key | None = None  # the key of the last choice
@@ -318,8 +343,11 @@ class ScheduleChooser:
             fewest = min(open_arms, key=lambda arm: (key.arms[arm].samples, arm_kind(arm) != POLICY))
             return ScheduleChoice(fewest, "measure")
         if key.trying is not None:
-            arm, key.trying = key.trying, None
-            return ScheduleChoice(arm, "retry")  # the try's sampled step
+            arm = key.trying
+            key.try_left -= 1
+            if not key.try_left:
+                key.trying = None
+            return ScheduleChoice(arm, "retry")  # the try's settling steps, then its sampled step
         winner = _winner(key)
         if key.last_winner is not None and winner != key.last_winner:
             key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
@@ -342,6 +370,7 @@ class ScheduleChooser:
                     key.since_try[loser] = 0
                     key.retries += offset + 1
                     key.trying = loser if _short_try(key, winner, loser) else None
+                    key.try_left = SWITCH_STEPS if key.trying else 0
                     return ScheduleChoice(loser, "retry")
         for arm in self.arms:
             key.since_try[arm] += 1
@@ -365,6 +394,7 @@ class ScheduleChooser:
         if key is None or steps <= 0:
             return
         key.steps += steps
+        self._run = (PLAIN, (self._run[1] if self._run[0] == PLAIN else 0) + steps)
         for arm in self.arms:
             key.since_try[arm] += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
@@ -377,7 +407,8 @@ class ScheduleChooser:
         """A decode step of ``width`` requests of mean length ``context``:
         its arm, the tokens it committed and the seconds from its start to
         the next step's start; ``after``: the arm of the step before it
-        (None: not a step the chooser chose).
+        (:data:`UNCHOSEN`: a step the chooser did not choose; None: not
+        known, the step counts as one after a settled run of its arm).
 
         ``declined``: a step of the policy arm that drafted nothing, a plain
         step (with the policy's planning): a sample of both arms, paired
@@ -391,8 +422,9 @@ class ScheduleChooser:
             return
         self._last_seconds[arm] = seconds
         key = self._key(_where(width, mix, context))
-        if after is not None and after != arm and not self._long_step(key, arm, seconds):
-            # The step after a switch of arm is slower (see the module
+        run = self._run_before(arm, after)
+        if run is not None and run < SWITCH_STEPS and not self._long_step(key, arm, seconds):
+            # The steps after a switch of arm are slower (see the module
             # docstring); a long one carries that as a share of one short step.
             self.switch_steps += 1
             return
@@ -403,6 +435,19 @@ class ScheduleChooser:
         for observed_arm in (arm, PLAIN) if declined and arm != PLAIN else (arm,):
             self._update(key, observed_arm, per_request, seconds)
             self._pair(key, _where(width, mix, context), observed_arm, per_request / seconds)
+
+    def _run_before(self, arm: str, after: str | None) -> int | None:
+        """Steps of ``arm`` in a row before this observed one (None: not
+        known, a step after one the chooser did not choose). A step after
+        one of its own arm that the chooser did not observe (the policy's
+        warm-up, a held span) comes after a settled run."""
+        if after is None:
+            self._run = (arm, SWITCH_STEPS)
+            return None
+        last_arm, last_run = self._run
+        run = 0 if after != arm else last_run + 1 if last_arm == arm else SWITCH_STEPS
+        self._run = (arm, run)
+        return run
 
     @staticmethod
     def _update(key: _Key, arm: str, tokens: float, seconds: float, steps: int = 1) -> None:
@@ -571,9 +616,9 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
 def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     """Steps of ``winner`` after which a try of ``loser`` costs at most its
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
-    short arm's try is two steps, the first paying the switch."""
+    short arm's try is :data:`SWITCH_STEPS` + 1 steps, the first paying the switch."""
     won, lost = key.arms[winner], key.arms[loser]
-    cost = (2 if _short_try(key, winner, loser) else 1) * lost.step_seconds
+    cost = (SWITCH_STEPS + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
     # Rounded down where the division's rounding could wait one step too many.
@@ -581,7 +626,7 @@ def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
 
 
 def _short_try(key: _Key, winner: str, loser: str) -> bool:
-    """Whether a try of ``loser`` is two steps (a short arm's first step
+    """Whether a try of ``loser`` is several steps (a short arm's first steps
     after a switch pays it and is no sample) rather than one long step."""
     return key.arms[loser].step_seconds <= LONG_STEP * key.arms[winner].step_seconds
 
