@@ -5,7 +5,9 @@ The sweep's chooser rated the pipelined arm 10% above the plain one at
 width 3-4, long prompts, T=0.8, where fixed pipelined lost 20% to native.
 This forces the steps of one ``"auto"`` engine (d=2) to a pattern, records
 every ``observe`` the chooser gets (arm, seconds, committed per request) and
-prints the plain arm's step time by its place after a pipelined step.
+prints the plain arm's step time by its place after a pipelined step. A
+trial's time is a makespan: rows that finish early leave the slow ones to
+run at a smaller width, and the last table shows how much of it that is.
 
     python benchmarks/probes/arm_rates_forced.py [width] [temperature] [prompts] [reps] [-v]
 """
@@ -19,6 +21,7 @@ from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
 PATTERNS = {"all plain": ["plain"], "all pipelined": ["pipelined"],
             "pipelined, 3 plain": ["pipelined", "plain", "plain", "plain"],
             "pipelined, 7 plain": ["pipelined"] + ["plain"] * 7,
+            "all policy": ["policy"], "pipelined, 3 policy": ["pipelined", "policy", "policy", "policy"],
             "chosen": None}  # the chooser's own choices
 
 
@@ -38,6 +41,7 @@ def main():
     choose, observe = chooser.choose, chooser.observe
     forced = {"pattern": ["plain"], "i": 0, "prev": None, "run": 0}
     seen = []  # (pattern, arm, previous arm, seconds, committed per request, place in the arm's run)
+    seen_widths = []  # each seen step's width
     log = []  # the chooser's own choices, as observed: (width, context, arm, after, ms, committed)
 
     def forced_choose(w, m, c=0, in_flight=None):
@@ -52,6 +56,7 @@ def main():
     def recording_observe(w, m, arm, committed, seconds, context=0, after=None, **kwargs):
         forced["run"] = forced["run"] + 1 if arm == forced["prev"] else 1
         seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1), forced["run"]))
+        seen_widths.append(w)
         if forced["pattern"] is None:
             log.append((w, context, arm, after, round(seconds * 1e3, 2), committed))
         forced["prev"] = arm
@@ -88,7 +93,17 @@ def main():
     for (name, arm, prev), rows in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ms = statistics.median(s for s, _ in rows) * 1e3
         rate = statistics.median(c / s for s, c in rows)
-        print(f"  {name:22s} {arm:10s} after {str(prev):10s} n={len(rows):4d}  {ms:7.2f} ms  {rate:7.1f} tok/s/req")
+        pooled = sum(c for _, c in rows) / sum(s for s, _ in rows)
+        print(f"  {name:22s} {arm:10s} after {str(prev):10s} n={len(rows):4d}  {ms:7.2f} ms  {rate:7.1f} tok/s/req"
+              f" (pooled {pooled:7.1f})")
+    print("observed seconds as a share of the trials' seconds (after warm-up), and the share of the observed"
+          " seconds at the full width (the rest: rows left behind when others finished, a trial's tail):")
+    for name, s in native_seconds.items():
+        rows = [(row[3], w) for row, w in zip(seen, seen_widths) if row[0] == name]
+        if rows:
+            total = sum(sec for sec, _ in rows)
+            print(f"  {name:22s} {total / sum(s[1:]):.2f}  at width {width}: "
+                  f"{sum(sec for sec, w in rows if w == width) / total:.2f}")
     print("observed step ms by the step's place in its arm's run (1: after a switch, or a trial's first"
           " observed step; 12: the twelfth or later):")
     for (name, arm, run), rows in sorted(places.items()):
