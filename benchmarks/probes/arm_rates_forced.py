@@ -40,8 +40,7 @@ def main():
     chooser = model_runner(auto).drafter.chooser
     choose, observe = chooser.choose, chooser.observe
     forced = {"pattern": ["plain"], "i": 0, "prev": None, "run": 0}
-    seen = []  # (pattern, arm, previous arm, seconds, committed per request, place in the arm's run)
-    seen_widths = []  # each seen step's width
+    seen = []  # (pattern, arm, previous arm, seconds, committed per request, place in the arm's run, width)
     log = []  # the chooser's own choices, as observed: (width, context, arm, after, ms, committed)
 
     def forced_choose(w, m, c=0, in_flight=None):
@@ -55,8 +54,7 @@ def main():
 
     def recording_observe(w, m, arm, committed, seconds, context=0, after=None, **kwargs):
         forced["run"] = forced["run"] + 1 if arm == forced["prev"] else 1
-        seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1), forced["run"]))
-        seen_widths.append(w)
+        seen.append((forced["name"], arm, forced["prev"], seconds, committed / max(w, 1), forced["run"], w))
         if forced["pattern"] is None:
             log.append((w, context, arm, after, round(seconds * 1e3, 2), committed))
         forced["prev"] = arm
@@ -86,7 +84,7 @@ def main():
     print("observed step ms and tok/s per request, by pattern, arm and the arm before it:")
     groups = collections.defaultdict(list)
     places = collections.defaultdict(list)
-    for name, arm, prev, seconds, per_request, run in seen:
+    for name, arm, prev, seconds, per_request, run, _ in seen:
         if name != "warm-up":
             groups[(name, arm, prev)].append((seconds, per_request))
             places[(name, arm, min(run, 12))].append(seconds)
@@ -99,7 +97,7 @@ def main():
     print("observed seconds as a share of the trials' seconds (after warm-up), and the share of the observed"
           " seconds at the full width (the rest: rows left behind when others finished, a trial's tail):")
     for name, s in native_seconds.items():
-        rows = [(row[3], w) for row, w in zip(seen, seen_widths) if row[0] == name]
+        rows = [(row[3], row[6]) for row in seen if row[0] == name]
         if rows:
             total = sum(sec for sec, _ in rows)
             print(f"  {name:22s} {total / sum(s[1:]):.2f}  at width {width}: "

@@ -437,10 +437,11 @@ class ScheduleChooser:
             self._pair(key, _where(width, mix, context), observed_arm, per_request / seconds)
 
     def _run_before(self, arm: str, after: str | None) -> int | None:
-        """Steps of ``arm`` in a row before this observed one (None: not
-        known, a step after one the chooser did not choose). A step after
-        one of its own arm that the chooser did not observe (the policy's
-        warm-up, a held span) comes after a settled run."""
+        """Steps of ``arm`` in a row before this observed one; None where
+        ``after`` is not known (the step counts as settled). After
+        :data:`UNCHOSEN` or another arm: 0. A step after one of its own arm
+        that the chooser did not observe (the policy's warm-up, a held
+        span) comes after a settled run."""
         if after is None:
             self._run = (arm, SWITCH_STEPS)
             return None
@@ -616,7 +617,7 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
 def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     """Steps of ``winner`` after which a try of ``loser`` costs at most its
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
-    short arm's try is :data:`SWITCH_STEPS` + 1 steps, the first paying the switch."""
+    short arm's try is :data:`SWITCH_STEPS` + 1 steps, all but the last paying the switch."""
     won, lost = key.arms[winner], key.arms[loser]
     cost = (SWITCH_STEPS + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
     if not won.step_seconds:
