@@ -119,6 +119,12 @@ def choose_one_switch_step(self, key, where, in_flight):
     return _with_rule_constant("SWITCH_STEPS", 1, lambda: type(self)._choose(self, key, where, in_flight))
 
 
+def rate_factor_one(self, arm, req_ids, committed, remaining):
+    """``DrainPaces.rate_factor`` before the chooser rated a step by how
+    evenly it drains its batch (thirty-fifth session): the step's mean."""
+    return 1.0
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -133,6 +139,7 @@ def choose_plain_after_learning(self, width, mix, context=0, in_flight=None):
 
 
 # rule -> the chooser methods it replaces on the "old" engines' choosers
+# ("drain." names: the drafter's DrainPaces)
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
              "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
              "pairs_stale": [("_update", update_keeping_stale_pairs)],
@@ -141,7 +148,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "plain_after_learning": [("choose", choose_plain_after_learning)],
              "one_try_budget": [("_choose", choose_one_try_budget)],
              "declined_as_policy": [("observe", observe_declined_as_policy)],
-             "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)]}
+             "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)],
+             "no_drain": [("drain.rate_factor", rate_factor_one)]}
 
 
 def main():
@@ -161,10 +169,12 @@ def main():
             llm = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                       **args_engine)
             if version == "old":
-                chooser = model_runner(llm).drafter.chooser
+                drafter = model_runner(llm).drafter
                 for method, replacement in replacements:
-                    static = isinstance(type(chooser).__dict__.get(method), staticmethod)
-                    setattr(chooser, method, replacement if static else types.MethodType(replacement, chooser))
+                    owner, _, method = method.rpartition(".")
+                    target = getattr(drafter, owner) if owner else drafter.chooser
+                    static = isinstance(type(target).__dict__.get(method), staticmethod)
+                    setattr(target, method, replacement if static else types.MethodType(replacement, target))
             engines[f"d{d} {version}"] = llm
     names = list(engines)
     prompts = {"short": load_prompts("mixed"), "long": load_prompts("long")}

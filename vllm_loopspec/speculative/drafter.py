@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
+from vllm_loopspec.speculative.batch_drain import DrainPaces
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, PipelineOutput, PipelineSchedule,
                                                  SampledDecider, run_pipelined)
@@ -94,6 +95,7 @@ class LoopSpecDrafter:
         self._step_width: int | None = None  # requests of a decode-only step
         self._step_context = 0  # the step's rows' lengths, summed
         self._step_committed: int | None = None  # tokens the step committed (propose)
+        self._step_rated: float | None = None  # ... scaled by how evenly they drain the batch (the chooser's)
         self._step_scheduled: dict[str, int] = {}  # tokens scheduled per request this step
         # Async scheduling: K_i chosen for the next step (the runner trims
         # vLLM's uniform placeholder drafts to them), and each step's
@@ -109,6 +111,7 @@ class LoopSpecDrafter:
         # measured rate (:mod:`.schedule_choice`). _next_pipelined: whether
         # the next step pipelines; _step_pipelined: the running step's.
         self.chooser = ScheduleChooser(arms_for_depths(self.options.depths)) if self.options.schedule == "auto" else None
+        self.drain = DrainPaces()  # each request's pace per arm, for the chooser's rates (:mod:`.batch_drain`)
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
         # (width, mix, context, arm, declined) of the next step; declined: a
         # step of the policy arm that drafts nothing (a plain step).
@@ -187,6 +190,11 @@ class LoopSpecDrafter:
             return self._propose_async()
         self._count_acceptance(sampled_token_ids)
         self._step_committed = sum(map(len, sampled_token_ids))
+        if self.chooser is not None:
+            batch = self.runner.input_batch
+            self._step_rated = self._drain_rated(
+                self.step_arm if self.step_drafts else PLAIN,
+                [batch.req_ids[row] for row in range(len(sampled_token_ids))], list(map(len, sampled_token_ids)))
         if self._take_held_step():
             self.proposed_drafts = False
             return [[]] * len(sampled_token_ids)
@@ -344,7 +352,8 @@ class LoopSpecDrafter:
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
             width, mix, context, arm, declined, after, seconds = self._choice_timed
-            self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after, declined=declined)
+            rated = self._drain_rated(PLAIN if declined else arm, committed.req_ids, counts)
+            self.chooser.observe(width, mix, arm, rated, seconds, context, after=after, declined=declined)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -352,6 +361,22 @@ class LoopSpecDrafter:
             if k and row < len(counts):
                 self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0),
                                 committed.controller)
+
+    def _drain_rated(self, arm: str | None, req_ids: list[str], counts: list[int]) -> float:
+        """A step's committed tokens as the chooser rates them: times how
+        evenly its arm drains the batch (:mod:`.batch_drain`; rows that
+        committed nothing, partial prefill chunks, are left out). A plain
+        step's rows keep pace, and so do those of a step of another arm
+        that drafted nothing (the policy's plain decision): the caller
+        passes PLAIN for it."""
+        committed = sum(counts)
+        if arm is None or arm_kind(arm) == PLAIN:
+            return committed
+        rows = [(req_id, n) for req_id, n in zip(req_ids, counts) if n]
+        self.drain.forget(req_ids)
+        factor = self.drain.rate_factor(arm, [r for r, _ in rows], [n for _, n in rows],
+                                        [self._remaining(r) for r, _ in rows])
+        return committed * factor
 
     def _adapt(self, limits: list[int | None], sampled: np.ndarray) -> list[int | None]:
         """The adaptive policy's ``K_i`` within each request's limit;
@@ -489,7 +514,7 @@ class LoopSpecDrafter:
         scheduled = self._step_scheduled
         decode_only = _decode_only(scheduler_output)
         self._step_width = len(scheduled) if decode_only else None
-        self._step_committed = None
+        self._step_committed = self._step_rated = None
         if self._step_end is not None:
             busy = not scheduler_output.scheduled_new_reqs  # else the engine may have idled
             self.controller.observe_gap(now - self._step_end if busy else None)
@@ -508,8 +533,8 @@ class LoopSpecDrafter:
             width, mix, context, arm, declined, after, start = last
             if self.runner.use_async_scheduling:
                 self._choice_timed = (width, mix, context, arm, declined, after, now - start)
-            elif self._step_committed is not None:
-                self.chooser.observe(width, mix, arm, self._step_committed, now - start, context, after=after,
+            elif self._step_rated is not None:
+                self.chooser.observe(width, mix, arm, self._step_rated, now - start, context, after=after,
                                      declined=declined)
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
