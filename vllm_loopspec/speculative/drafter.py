@@ -375,7 +375,8 @@ class LoopSpecDrafter:
         rows = [(req_id, n) for req_id, n in zip(req_ids, counts) if n]
         self.drain.forget(req_ids)
         factor = self.drain.rate_factor(arm, [r for r, _ in rows], [n for _, n in rows],
-                                        [self._remaining(r) for r, _ in rows])
+                                        # Async: a request that finished since is gone (none left).
+                                        [self._remaining(r) if r in self.runner.requests else 0 for r, _ in rows])
         return committed * factor
 
     def _adapt(self, limits: list[int | None], sampled: np.ndarray) -> list[int | None]:
