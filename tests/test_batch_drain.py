@@ -65,3 +65,33 @@ def test_arms_are_paced_apart_and_finished_requests_forgotten():
     # "a" is new again: its pace is the step's mean; "b" keeps its nine-token rounds.
     b = (6 * 9 + 5 + PRIOR_STEPS * 5) / (7 + PRIOR_STEPS)
     assert paces.rate_factor("policy", ["a", "b"], [5, 5], [50, 50]) == pytest.approx(drain_factor([5, b], [50, 50]))
+
+
+def _drafter_with(requests):
+    """A drafter with only what ``_drain_rated`` reads: the runner's requests."""
+    from types import SimpleNamespace
+
+    from vllm_loopspec.speculative.drafter import LoopSpecDrafter
+
+    drafter = LoopSpecDrafter.__new__(LoopSpecDrafter)
+    drafter.drain = DrainPaces()
+    drafter.runner = SimpleNamespace(requests=requests, model_config=SimpleNamespace(max_model_len=1024))
+    return drafter
+
+
+def test_the_drafter_rates_a_lagging_round_below_its_tokens_and_a_plain_step_at_them():
+    from types import SimpleNamespace
+
+    params = SimpleNamespace(max_tokens=128)
+    requests = {r: SimpleNamespace(prompt_token_ids=[0] * 8, output_token_ids=[0] * 10, sampling_params=params)
+                for r in "abcd"}
+    drafter = _drafter_with(requests)
+    for _ in range(6):
+        rated = drafter._drain_rated("policy", list("abcd"), [17, 17, 17, 2])
+    assert rated < 0.8 * 53
+    assert drafter._drain_rated("plain", list("abcd"), [17, 17, 17, 2]) == 53
+    # Async: a step is counted one step late, when a request that finished
+    # in it is gone from the runner; it has no tokens left, so only the
+    # others' paces count.
+    del requests["d"]
+    assert drafter._drain_rated("policy", list("abcd"), [17, 17, 17, 2]) > 53

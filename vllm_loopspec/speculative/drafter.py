@@ -191,10 +191,10 @@ class LoopSpecDrafter:
         self._count_acceptance(sampled_token_ids)
         self._step_committed = sum(map(len, sampled_token_ids))
         if self.chooser is not None:
-            batch = self.runner.input_batch
-            self._step_rated = self._drain_rated(
-                self.step_arm if self.step_drafts else PLAIN,
-                [batch.req_ids[row] for row in range(len(sampled_token_ids))], list(map(len, sampled_token_ids)))
+            self._step_rated = self._step_committed
+            if self.step_drafts and self.step_arm is not None and arm_kind(self.step_arm) != PLAIN:
+                self._step_rated = self._drain_rated(self.step_arm, self.runner.input_batch.req_ids,
+                                                     list(map(len, sampled_token_ids)))
         if self._take_held_step():
             self.proposed_drafts = False
             return [[]] * len(sampled_token_ids)
@@ -368,11 +368,11 @@ class LoopSpecDrafter:
         committed nothing, partial prefill chunks, are left out). A plain
         step's rows keep pace, and so do those of a step of another arm
         that drafted nothing (the policy's plain decision): the caller
-        passes PLAIN for it."""
+        passes PLAIN for it, or (synchronous steps) does not call."""
         committed = sum(counts)
         if arm is None or arm_kind(arm) == PLAIN:
             return committed
-        rows = [(req_id, n) for req_id, n in zip(req_ids, counts) if n]
+        rows = [(req_id, n) for req_id, n in zip(req_ids, counts) if n]  # zip: req_ids may run longer
         self.drain.forget(req_ids)
         factor = self.drain.rate_factor(arm, [r for r, _ in rows], [n for _, n in rows],
                                         # Async: a request that finished since is gone (none left).

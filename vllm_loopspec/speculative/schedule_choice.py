@@ -12,7 +12,10 @@ Why measured and not priced: the policy prices rounds from a fit of round
 steps, and its choices are only as good as that fit where the batch runs; a
 pipelined step's cost depends on its restarts (how often a first proposal is
 replaced at verification), which depends on the requests in flight. Every
-arm delivers committed tokens, so the rates compare directly; each step is
+arm delivers committed tokens, so the rates compare directly (a
+speculative step's tokens scaled by how evenly its arm drains the batch,
+:mod:`.batch_drain`: rounds advance rows by their own acceptance and may
+leave one to decode alone); each step is
 timed from its start to the next step's start (scheduler and output
 handling included). The plain arm makes "never slower than native" a
 measured floor: where the policy's rounds lose to plain steps, the steps are
