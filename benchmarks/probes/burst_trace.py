@@ -1,7 +1,10 @@
 """Issue 13 diagnostic: ``benchmarks/adaptive_burst.py`` with the
 ``"auto"`` chooser's every choice logged (width, sampling mix, mean
-context, arm, reason, hold), so a burst's speculative steps can be told
-apart: measuring steps, tries of a losing arm, or verdicts. Arguments are
+context, arm, reason, hold; from :data:`RATES_FROM_WIDTH` rows on, also
+the key's rate per arm as ``[tokens/s per request, samples, own samples,
+borrowed, median step ms]``), so a burst's speculative steps can be told
+apart: measuring steps, tries of a losing arm, or verdicts, and what they
+were decided on. Arguments are
 ``adaptive_burst.py``'s; the log is added to its ``--out`` JSON as
 ``chooser_log`` (``["START", tag]`` entries begin each timeline).
 
@@ -17,6 +20,7 @@ import adaptive_burst  # noqa: E402
 from vllm_loopspec.speculative import schedule_choice  # noqa: E402
 
 LOG: list = []
+RATES_FROM_WIDTH = 9  # the burst's steps (17 rows) and the batch narrowing after it
 
 
 def main() -> None:
@@ -24,7 +28,11 @@ def main() -> None:
 
     def logged_choose(self, width, mix, context=0, in_flight=None):
         out = choose(self, width, mix, context, in_flight)
-        LOG.append([width, mix, context, out.arm, out.reason, out.hold])
+        entry = [width, mix, context, out.arm, out.reason, out.hold]
+        if width >= RATES_FROM_WIDTH:
+            entry.append({arm: [round(r.rate), r.samples, r.own, r.borrowed, round(1000 * r.step_seconds, 1)]
+                          for arm, r in self._last_key.arms.items()})
+        LOG.append(entry)
         return out
 
     run_timeline = adaptive_burst.run_timeline
