@@ -13,8 +13,9 @@ warm-up, ``--repeats`` timed trials, median reported):
   captured in CUDA graphs, so that arm is eager there too);
 * Ouro-1.4B's shape in bf16 with ``load_format=dummy`` (random weights:
   acceptance is meaningless, the figures measure the cost of a round at the
-  real shape): native (eager), loopspec K=4 (eager) and the pipelined
-  schedule (d1 1, K 8, second proposals at loop 2; eager).
+  real shape, with each loopspec arm's acceptance beside them): native
+  (eager, and in the default mode with CUDA graphs), loopspec K=4 (eager)
+  and the pipelined schedule (d1 1, K 8, second proposals at loop 2; eager).
 
 Runs on CPU too (slowly; use ``--skip-large``).
 """
@@ -52,6 +53,16 @@ def decode(llm, prompts, new_tokens: int) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     return len(prompts) * (new_tokens - 1) / (time.perf_counter() - start)
+
+
+def acceptance_counts(llm) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens of a loopspec engine so far; None for native.
+    With dummy weights this is what makes a loopspec timing readable: the
+    rate depends on how often random loops happen to agree."""
+    from vllm_loopspec.engine_internals import model_runner
+
+    stats = getattr(getattr(model_runner(llm), "drafter", None), "stats", None)
+    return None if stats is None else (stats.drafted_tokens, stats.accepted_tokens)
 
 
 def main() -> None:
@@ -92,6 +103,7 @@ def main() -> None:
             shutil.copy(ROOT / "checkpoints" / "ouro-stdlib" / name, large / name)
         big = dict(dtype="bfloat16", load_format="dummy", enforce_eager=True)
         arms += [("ouro-1.4b shape bf16 (dummy)", "native eager", str(large), big),
+                 ("ouro-1.4b shape bf16 (dummy)", "native default mode", str(large), big | {"enforce_eager": False}),
                  ("ouro-1.4b shape bf16 (dummy)", "loopspec K4", str(large), big | {"speculative_config": spec}),
                  # issue 12: on a GPU a loop group is a kernel launch, not 73 µs of host code.
                  ("ouro-1.4b shape bf16 (dummy)", "pipelined d1 K8 s2", str(large),
@@ -106,9 +118,14 @@ def main() -> None:
         llm = LLM(path, **common, **kwargs)
         for batch in (1, 8):
             decode(llm, prompts[:batch], 8)  # warm-up
+            before = acceptance_counts(llm)
             tps = [decode(llm, prompts[:batch], args.new_tokens) for _ in range(args.repeats)]
-            print("RESULT " + json.dumps({"model": model, "arm": arm, "batch": batch,
-                                          "tokens_per_s": statistics.median(tps), "trials": tps}), flush=True)
+            row = {"model": model, "arm": arm, "batch": batch, "tokens_per_s": statistics.median(tps), "trials": tps}
+            if before is not None:
+                drafted, accepted = (after - b for after, b in zip(acceptance_counts(llm), before))
+                row |= {"drafted_tokens": drafted, "accepted_tokens": accepted,
+                        "acceptance": accepted / drafted if drafted else None}
+            print("RESULT " + json.dumps(row), flush=True)
         return
     results = []
     for i, (model, arm, _, _) in enumerate(arms):
@@ -122,7 +139,8 @@ def main() -> None:
             rows = [{"model": model, "arm": arm, "batch": None, "tokens_per_s": None,
                      "error": proc.stderr[-2000:]}]
         for r in rows:
-            print(f"{r['model']} | {r['arm']} | batch {r['batch']} | {r['tokens_per_s']} tok/s", flush=True)
+            print(f"{r['model']} | {r['arm']} | batch {r['batch']} | {r['tokens_per_s']} tok/s"
+                  + (f" | acceptance {r['acceptance']:.2f}" if r.get("acceptance") is not None else ""), flush=True)
         results += rows
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     record = {"benchmark": "gpu_decode", "device": device, "vllm": vllm.__version__, "torch": torch.__version__,
@@ -130,10 +148,11 @@ def main() -> None:
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print("\n| model | arm | batch | tok/s (median) |\n|---|---|---|---|")
+    print("\n| model | arm | batch | tok/s (median) | acceptance |\n|---|---|---|---|---|")
     for r in results:
         tps = "failed" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
-        print(f"| {r['model']} | {r['arm']} | {r['batch']} | {tps} |")
+        rate = "–" if r.get("acceptance") is None else f"{r['acceptance']:.2f}"
+        print(f"| {r['model']} | {r['arm']} | {r['batch']} | {tps} | {rate} |")
 
 
 if __name__ == "__main__":
