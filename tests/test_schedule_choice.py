@@ -3,7 +3,7 @@
 from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
-                                                      HOLD_STEPS, PAIR_GAP, RATE_WINDOW, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
+                                                      HOLD_STEPS, MIN_PAIRS, PAIR_GAP, RATE_WINDOW, SPECULATION_MARGIN, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
                                                       ScheduleChoice, ScheduleChooser)
 
 MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
@@ -297,6 +297,81 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     first = chooser.choose(8, SAMPLED, context=100)
     assert first == ScheduleChoice(PIPELINED, "measure")
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, BORROWED_STEPS)
+
+
+def test_a_lead_over_plain_that_is_narrow_or_of_long_steps_waits_for_pairs():
+    """A speculative arm wins over plain only once the two were measured
+    side by side (MIN_PAIRS pairs) where its lead is under PLAIN_DOUBT or
+    its steps are long: plain's samples at a key may be stale (the burst's
+    warm-up left plain slow ones, and pipelined steps won on them). Plain
+    is measured in a streak after the leader's step, its first SWITCH_STEPS
+    no samples; the pairs then decide, here for plain, faster now than its
+    stale samples said. A short arm's wide lead decides at once."""
+    def observe(chooser, arm, rate, seconds, after=None):
+        chooser.observe(8, SAMPLED, arm, 8 * rate * seconds, seconds, after=after)
+
+    for leader, rate, seconds, waits in ((PIPELINED, 1100.0, 0.100, True), (PIPELINED, 1650.0, 0.100, True),
+                                         (POLICY, 1100.0, 0.006, True), (POLICY, 1300.0, 0.006, False)):
+        chooser = ScheduleChooser()
+        loser, loser_rate, loser_seconds = ((POLICY, 800.0, 0.006) if leader == PIPELINED
+                                            else (PIPELINED, 500.0, 0.100))
+        for _ in range(MIN_SAMPLES):
+            observe(chooser, PLAIN, 1000.0, 0.005)  # stale: plain runs at 1200 now
+        for _ in range(MIN_SAMPLES):
+            observe(chooser, loser, loser_rate, loser_seconds)
+        for _ in range(MIN_SAMPLES):
+            observe(chooser, leader, rate, seconds)
+        if not waits:
+            assert chooser.choose(8, SAMPLED) == ScheduleChoice(leader, "faster")
+            continue
+        made, after = [], leader
+        for _ in range(SWITCH_STEPS + MIN_PAIRS):
+            made.append(chooser.choose(8, SAMPLED))
+            observe(chooser, PLAIN, 1200.0, 1 / 240, after=after)
+            after = PLAIN
+        assert made == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + MIN_PAIRS)
+        assert len(chooser._keys[(3, SAMPLED, 0)].pairs[(leader, PLAIN)]) == MIN_PAIRS
+        # The pairs rate plain at 1200: it wins against 1100, not against 1650.
+        assert chooser.choose(8, SAMPLED).arm == (PLAIN if rate < 1200 / (1 - SPECULATION_MARGIN) else leader)
+
+
+def test_a_doubted_lead_runs_the_leader_first_when_its_last_step_is_not_recent():
+    """Plain's streak pairs only with a recent step of the leader (PAIR_GAP):
+    where the leader's last sample is older, the leader runs first."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PIPELINED, 8 * 1650.0 * 0.1, 0.1)
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, POLICY, 8 * 800.0 * 0.006, 0.006)
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8 * 1000.0 * 0.005, 0.005)
+    assert chooser.choose(8, SAMPLED) == ScheduleChoice(PIPELINED, "faster")
+    assert chooser.choose(8, SAMPLED, in_flight=PIPELINED) == ScheduleChoice(PLAIN, "measure")
+
+
+def test_a_doubted_short_lead_is_measured_in_one_plain_streak_not_alternation():
+    """A short leader's step after a plain one is no sample (SWITCH_STEPS),
+    so plain's streak does not stop for it: alternating would measure
+    neither. Without pairs the streak ends when plain has
+    PLAIN_DOUBT_SAMPLES steps of its own, and the rates decide."""
+    from vllm_loopspec.speculative.schedule_choice import PLAIN_DOUBT_SAMPLES
+
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, POLICY, 8 * 1100.0 * 0.006, 0.006)
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PIPELINED, 8 * 500.0 * 0.1, 0.1)
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8 * 1000.0 * 0.005, 0.005)
+    made = [chooser.choose(8, SAMPLED)]
+    assert made[0] == ScheduleChoice(POLICY, "faster")  # its last sample is not recent: it runs first
+    after = in_flight = POLICY
+    while len(made) < 40 and (len(made) == 1 or made[-1].arm == PLAIN):
+        made.append(chooser.choose(8, SAMPLED, in_flight=in_flight))
+        chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005, after=after)
+        after = in_flight = made[-1].arm
+    assert made[1:-1] == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
+    assert made[-1] == ScheduleChoice(POLICY, "faster")
 
 
 def test_a_long_arm_losing_at_the_adjacent_bucket_is_not_measured_again():

@@ -125,6 +125,12 @@ def rate_factor_one(self, arm, req_ids, committed, remaining):
     return 1.0
 
 
+def choose_without_plain_doubt(self, key, where, in_flight):
+    """``_choose`` before PLAIN_DOUBT (thirty-seventh session): a
+    speculative arm's lead decides even where plain has few steps of its own."""
+    return _with_rule_constant("PLAIN_DOUBT_SAMPLES", 0, lambda: type(self)._choose(self, key, where, in_flight))
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -149,7 +155,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "one_try_budget": [("_choose", choose_one_try_budget)],
              "declined_as_policy": [("observe", observe_declined_as_policy)],
              "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)],
-             "no_drain": [("drain.rate_factor", rate_factor_one)]}
+             "no_drain": [("drain.rate_factor", rate_factor_one)],
+             "no_plain_doubt": [("_choose", choose_without_plain_doubt)]}
 
 
 def main():
