@@ -299,79 +299,73 @@ def test_a_bucket_entered_mid_measurement_borrows_what_its_neighbour_knows():
     assert chooser.rates(8, SAMPLED, 100)[PLAIN] == (200.0, BORROWED_STEPS)
 
 
-def test_a_lead_over_plain_that_is_narrow_or_of_long_steps_waits_for_pairs():
-    """A speculative arm wins over plain only once the two were measured
-    side by side (MIN_PAIRS pairs) where its lead is under PLAIN_DOUBT or
-    its steps are long: plain's samples at a key may be stale (the burst's
-    warm-up left plain slow ones, and pipelined steps won on them). Plain
-    is measured in a streak after the leader's step, its first SWITCH_STEPS
-    no samples; the pairs then decide, here for plain, faster now than its
-    stale samples said. A short arm's wide lead decides at once."""
-    def observe(chooser, arm, rate, seconds, after=None):
-        chooser.observe(8, SAMPLED, arm, 8 * rate * seconds, seconds, after=after)
+def _stale_plain_chooser(leader, rate, seconds):
+    """Plain measured (at 1000 tokens/s per request, stale: it runs at 1200
+    now), then the loser, then ``leader``, none paired with plain."""
+    chooser = ScheduleChooser()
+    loser, loser_rate, loser_seconds = (POLICY, 800.0, 0.006) if leader == PIPELINED else (PIPELINED, 500.0, 0.1)
+    for arm, arm_rate, arm_seconds in ((PLAIN, 1000.0, 0.005), (loser, loser_rate, loser_seconds),
+                                       (leader, rate, seconds)):
+        for _ in range(MIN_SAMPLES):
+            chooser.observe(8, SAMPLED, arm, 8 * arm_rate * arm_seconds, arm_seconds)
+    return chooser
 
+
+def test_a_lead_of_long_steps_waits_for_plain_measured_beside_it():
+    """A speculative arm whose step costs PLAIN_DOUBT_STEPS plain ones or
+    more wins over plain only once the two were measured side by side
+    (MIN_PAIRS pairs): plain's samples at a key may be stale (the burst's
+    warm-up left plain slow ones, and 110 ms pipelined steps won on them).
+    Plain is measured in one streak after the leader's step, its first
+    SWITCH_STEPS no samples; the pairs then decide, here for plain against
+    a narrow lead, faster now than its stale samples said. Once per key:
+    pairs gone stale later are left to the tries. A short leader's lead
+    decides at once."""
     for leader, rate, seconds, waits in ((PIPELINED, 1100.0, 0.100, True), (PIPELINED, 1650.0, 0.100, True),
-                                         (POLICY, 1100.0, 0.006, True), (POLICY, 1300.0, 0.006, False)):
-        chooser = ScheduleChooser()
-        loser, loser_rate, loser_seconds = ((POLICY, 800.0, 0.006) if leader == PIPELINED
-                                            else (PIPELINED, 500.0, 0.100))
-        for _ in range(MIN_SAMPLES):
-            observe(chooser, PLAIN, 1000.0, 0.005)  # stale: plain runs at 1200 now
-        for _ in range(MIN_SAMPLES):
-            observe(chooser, loser, loser_rate, loser_seconds)
-        for _ in range(MIN_SAMPLES):
-            observe(chooser, leader, rate, seconds)
+                                         (POLICY, 1100.0, 0.006, False)):
+        chooser = _stale_plain_chooser(leader, rate, seconds)
         if not waits:
             assert chooser.choose(8, SAMPLED) == ScheduleChoice(leader, "faster")
             continue
         made, after = [], leader
         for _ in range(SWITCH_STEPS + MIN_PAIRS):
             made.append(chooser.choose(8, SAMPLED))
-            observe(chooser, PLAIN, 1200.0, 1 / 240, after=after)
+            chooser.observe(8, SAMPLED, PLAIN, 8 * 1200.0 / 240, 1 / 240, after=after)
             after = PLAIN
         assert made == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + MIN_PAIRS)
-        assert len(chooser._keys[(3, SAMPLED, 0)].pairs[(leader, PLAIN)]) == MIN_PAIRS
+        key = chooser._keys[(3, SAMPLED, 0)]
+        assert len(key.pairs[(leader, PLAIN)]) == MIN_PAIRS
         # The pairs rate plain at 1200: it wins against 1100, not against 1650.
         assert chooser.choose(8, SAMPLED).arm == (PLAIN if rate < 1200 / (1 - SPECULATION_MARGIN) else leader)
+        key.pairs.clear()
+        assert chooser.choose(8, SAMPLED, in_flight=leader).reason != "measure"
 
 
 def test_a_doubted_lead_runs_the_leader_first_when_its_last_step_is_not_recent():
     """Plain's streak pairs only with a recent step of the leader (PAIR_GAP):
     where the leader's last sample is older, the leader runs first."""
     chooser = ScheduleChooser()
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, PIPELINED, 8 * 1650.0 * 0.1, 0.1)
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, POLICY, 8 * 800.0 * 0.006, 0.006)
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, PLAIN, 8 * 1000.0 * 0.005, 0.005)
+    for arm, rate, seconds in ((PIPELINED, 1650.0, 0.1), (POLICY, 800.0, 0.006), (PLAIN, 1000.0, 0.005)):
+        for _ in range(MIN_SAMPLES):
+            chooser.observe(8, SAMPLED, arm, 8 * rate * seconds, seconds)
     assert chooser.choose(8, SAMPLED) == ScheduleChoice(PIPELINED, "faster")
     assert chooser.choose(8, SAMPLED, in_flight=PIPELINED) == ScheduleChoice(PLAIN, "measure")
 
 
-def test_a_doubted_short_lead_is_measured_in_one_plain_streak_not_alternation():
-    """A short leader's step after a plain one is no sample (SWITCH_STEPS),
-    so plain's streak does not stop for it: alternating would measure
-    neither. Without pairs the streak ends when plain has
-    PLAIN_DOUBT_SAMPLES steps of its own, and the rates decide."""
+def test_a_plain_streak_that_makes_no_pairs_ends_at_its_bound():
+    """Pairs need the leader's step observed just before; should they not be
+    made, the streak ends when plain has PLAIN_DOUBT_SAMPLES steps at the
+    key, and the rates decide."""
     from vllm_loopspec.speculative.schedule_choice import PLAIN_DOUBT_SAMPLES
 
-    chooser = ScheduleChooser()
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, POLICY, 8 * 1100.0 * 0.006, 0.006)
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, PIPELINED, 8 * 500.0 * 0.1, 0.1)
-    for _ in range(MIN_SAMPLES):
-        chooser.observe(8, SAMPLED, PLAIN, 8 * 1000.0 * 0.005, 0.005)
-    made = [chooser.choose(8, SAMPLED)]
-    assert made[0] == ScheduleChoice(POLICY, "faster")  # its last sample is not recent: it runs first
-    after = in_flight = POLICY
-    while len(made) < 40 and (len(made) == 1 or made[-1].arm == PLAIN):
-        made.append(chooser.choose(8, SAMPLED, in_flight=in_flight))
-        chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005, after=after)
-        after = in_flight = made[-1].arm
-    assert made[1:-1] == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
-    assert made[-1] == ScheduleChoice(POLICY, "faster")
+    chooser = _stale_plain_chooser(PIPELINED, 1100.0, 0.1)
+    chooser._last_sample.clear()  # the leader's last step no longer pairs
+    made = []
+    while len(made) < 40 and (not made or made[-1].arm == PLAIN):
+        made.append(chooser.choose(8, SAMPLED, in_flight=PIPELINED if not made else PLAIN))
+        chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005, after=PIPELINED if len(made) == 1 else PLAIN)
+    assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
+    assert made[-1] == ScheduleChoice(PIPELINED, "faster")
 
 
 def test_a_long_arm_losing_at_the_adjacent_bucket_is_not_measured_again():

@@ -126,8 +126,8 @@ def rate_factor_one(self, arm, req_ids, committed, remaining):
 
 
 def choose_without_plain_doubt(self, key, where, in_flight):
-    """``_choose`` before PLAIN_DOUBT (thirty-seventh session): a
-    speculative arm's lead decides even where plain has few steps of its own."""
+    """``_choose`` before PLAIN_DOUBT_STEPS (thirty-seventh session): a
+    long arm's lead over plain decides without plain measured beside it."""
     return _with_rule_constant("PLAIN_DOUBT_SAMPLES", 0, lambda: type(self)._choose(self, key, where, in_flight))
 
 

@@ -59,9 +59,10 @@ clearly lost, :data:`CLEAR_LOSS`, once; an arm of long steps,
 arm lost at the next narrower width bucket). Then the chooser takes the arm
 with the best rate, a speculative arm having to beat the plain one by
 :data:`SPECULATION_MARGIN` (vLLM's plain step is the safer choice within
-the rates' noise), and, where its lead is narrow or its steps long, only
-once the two were compared in pairs (:data:`PLAIN_DOUBT`: else plain is
-measured beside it first, its samples at a key often unsettled or stale), and tries each other arm in turn one step in an interval
+the rates' noise), and, where its steps are long, only once the two were
+compared in pairs (else plain is measured beside it first, once:
+:data:`PLAIN_DOUBT_STEPS`; plain's samples at a key are often unsettled or
+stale), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
 the try to cost at most its share of :data:`RETRY_TIME_SHARE` of the
@@ -150,22 +151,24 @@ LONG_STEP = 4
 # (:data:`CLEAR_LOSS`), which would count at its own key: a close loser stays
 # measured where it is.
 LONG_LOSER_BORROW = 0.9
-# A speculative arm wins over plain only once the two were compared in
-# MIN_PAIRS pairs (:data:`PAIR_GAP`: measured at one moment) where its lead
-# is under this factor or its steps are long (:data:`LONG_STEP` plain ones,
-# so that a few plain steps cost little beside one of its own); until then
-# plain is measured, a streak right after the leader's step. Plain's samples
-# at a key are often slow and stale. In the burst (width 17, mixed) the
-# warm-up left plain samples of 7.3-11.0 ms a step, and a plain streak after
-# a prefill ran 11.0, 8.4, ~7.0, then 6.8 ms; pipelined steps of ~110 ms
-# rated 150-166 tokens/s per request won on them (leads of 1.2x-1.65x) and
-# carried the burst in most repeats, where plain, measured again later, ran
-# at 5.6-6.3 ms (160-177). A plain try under such a winner is due only every
-# dozen or more of its steps (RETRY_TIME_SHARE, RETRY_BACKOFF), more than a
-# burst has at a key (benchmarks/results/findings.md, thirty-sixth and
-# thirty-seventh sessions). Over short steps, a lead beyond the factor is
-# beyond what such samples explained (1.26x settled against unsettled).
-PLAIN_DOUBT = 1.25
+# A speculative arm whose step costs at least this many plain steps wins a
+# key over plain only once the two were compared there in MIN_PAIRS pairs
+# (:data:`PAIR_GAP`: measured at one moment), or plain was measured beside
+# it once: a streak of plain steps right after the leader's, which costs
+# less than one of its steps. Plain's samples at a key are often slow and
+# stale. In the burst (width 17, mixed) the warm-up left plain samples of
+# 7.3-11.0 ms a step, and a plain streak after a prefill ran 11.0, 8.4,
+# ~7.0, then 6.8 ms; pipelined steps of ~110 ms rated 150-166 tokens/s per
+# request won on them (leads of 1.2x-1.65x) and carried the burst in most
+# repeats, where plain, measured again later, ran at 5.6-6.3 ms (160-177).
+# A plain try under such a winner is due only every dozen or more of its
+# steps (RETRY_TIME_SHARE, RETRY_BACKOFF), more than a burst has at a key
+# (benchmarks/results/findings.md, thirty-sixth and thirty-seventh
+# sessions). Not for shorter leaders: at width 1 a pipelined step costs a
+# few plain ones, a streak several of its steps, and with every narrow
+# lead doubted, or doubted again whenever pairs went stale, greedy c1 lost
+# 5-17% in an A/B (chooser_ab_plain_doubt_first.json).
+PLAIN_DOUBT_STEPS = 8
 # Plain samples at a key after which its own rate decides without pairs
 # (pairs need the leader's step observed just before: a bound, should it not be).
 PLAIN_DOUBT_SAMPLES = 16
@@ -288,6 +291,8 @@ class _Key:
     try_left: int = 0  # and how many
     # (arm, other) -> the arm's rate when their last pair was made (PAIRS_STALE).
     paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
+    doubted: set = field(default_factory=set)  # winners plain was measured beside (PLAIN_DOUBT_STEPS)
+    doubting: str | None = None  # the winner of a plain streak under way
 
 
 @dataclass
@@ -373,12 +378,9 @@ class ScheduleChooser:
                 key.trying = None
             return ScheduleChoice(arm, "retry")  # the try's settling steps, then its sampled step
         winner = _winner(key)
-        if (winner != PLAIN and _plain_in_doubt(key, winner)
-                and (self._last_arm == PLAIN or self._anchored(where, winner, in_flight))):
-            # A streak, begun right after the leader's step (the first
-            # SWITCH_STEPS are no samples), on until the pairs are made or
-            # plain has PLAIN_DOUBT_SAMPLES: a short leader's step after a
-            # plain one is no sample, so alternating would measure nothing.
+        if winner == PLAIN:
+            key.doubting = None
+        elif self._doubt_plain(key, where, winner, in_flight):
             return ScheduleChoice(PLAIN, "measure")
         if key.last_winner is not None and winner != key.last_winner:
             key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
@@ -522,14 +524,27 @@ class ScheduleChooser:
                 key.paired_rate[(other, arm)] = key.arms[other].rate
         last[arm] = (self._clock, rate)
 
-    def _anchored(self, where: tuple[int, int, int], arm: str, in_flight: str | None) -> bool:
-        """Whether plain samples from now on pair with ``arm``'s last (it is
-        the step in flight, or was observed within :data:`PAIR_GAP`); else
-        ``arm`` runs first (:data:`PLAIN_DOUBT`)."""
-        if in_flight == arm:
-            return True
-        last = self._last_sample.get(where[:2], {}).get(arm)
-        return last is not None and self._clock - last[0] < PAIR_GAP
+    def _doubt_plain(self, key: _Key, where: tuple[int, int, int], winner: str, in_flight: str | None) -> bool:
+        """Whether to measure plain beside speculative ``winner`` before its
+        lead decides (:data:`PLAIN_DOUBT_STEPS`): once per key and winner, in
+        one streak begun right after the winner's step (so that plain's
+        samples pair with it; its first SWITCH_STEPS are no samples) and on
+        until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`."""
+        plain, won = key.arms[PLAIN], key.arms[winner]
+        if (plain.own >= PLAIN_DOUBT_SAMPLES or len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS
+                or won.step_seconds < PLAIN_DOUBT_STEPS * plain.step_seconds):
+            key.doubting = None
+            return False
+        if key.doubting == winner and self._last_arm == PLAIN:
+            return True  # the streak goes on
+        last = self._last_sample.get(where[:2], {}).get(winner)
+        anchored = in_flight == winner or (last is not None and self._clock - last[0] < PAIR_GAP)
+        if winner in key.doubted or not anchored:
+            key.doubting = None
+            return False  # measured beside it once; or the winner's step first, to pair with
+        key.doubted.add(winner)
+        key.doubting = winner
+        return True
 
     def _key(self, where: tuple[int, int, int]) -> _Key:
         key = self._keys.get(where)  # not setdefault: a _Key built every step costs more than the lookup
@@ -683,15 +698,6 @@ def _measured(key: _Key, arm: str) -> bool:
         return True
     best = max(others, key=lambda r: r.rate)
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
-
-
-def _plain_in_doubt(key: _Key, winner: str) -> bool:
-    """Whether speculative ``winner``'s lead over plain needs pairs it does
-    not have (:data:`PLAIN_DOUBT`): measure plain beside it first."""
-    plain, won = key.arms[PLAIN], key.arms[winner]
-    if plain.own >= PLAIN_DOUBT_SAMPLES or len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS:
-        return False
-    return won.rate < PLAIN_DOUBT * plain.rate or won.step_seconds > LONG_STEP * plain.step_seconds
 
 
 def _long_loser(key: _Key, arm: str) -> bool:
