@@ -16,6 +16,7 @@ policy), ``pd_serving.json`` / ``pd_transfer.json`` (``pd_bench.py``),
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -696,17 +697,38 @@ def per_depth_counts(rec: dict) -> dict:
     return counts
 
 
-def burst_paired_ratios(rec: dict, window: str) -> list[float]:
-    """Adaptive over native throughput in ``window``, one ratio per repeat:
-    the host's speed drifts between repeats by more than the ratio the
-    burst is judged by, and the two engines of a repeat run back to back."""
+BURST_TWIN = "native twin"  # adaptive_burst.py's second native engine
+
+
+def burst_paired_ratios(rec: dict, window: str, engine: str = "loopspec adaptive") -> list[float]:
+    """``engine`` (the adaptive one, or the second native) over native
+    throughput in ``window``, one ratio per repeat: the host's speed drifts
+    between repeats by more than the ratio the burst is judged by, and the
+    engines of a repeat run back to back."""
     runs = rec["runs"]
     return [a["windows"][window]["tokens_per_s"] / n["windows"][window]["tokens_per_s"]
-            for n, a in zip(runs["native"], runs["loopspec adaptive"]) if n["windows"][window]["tokens_per_s"]]
+            for n, a in zip(runs["native"], runs[engine]) if n["windows"][window]["tokens_per_s"]]
+
+
+def burst_sandwich_ratios(rec: dict, window: str) -> list[float]:
+    """Adaptive throughput in ``window`` over the geometric mean of the two
+    native engines', one ratio per repeat. adaptive_burst.py runs the
+    adaptive engine between the two natives in every repeat (native,
+    adaptive, twin; then reversed), so their mean is the host's speed at
+    its time to first order, which drifts by more than the bar within a
+    repeat. Empty for a record without the twin."""
+    runs = rec["runs"]
+    if BURST_TWIN not in runs:
+        return []
+    return [a["windows"][window]["tokens_per_s"]
+            / math.sqrt(n["windows"][window]["tokens_per_s"] * t["windows"][window]["tokens_per_s"])
+            for n, a, t in zip(runs["native"], runs["loopspec adaptive"], runs[BURST_TWIN])
+            if n["windows"][window]["tokens_per_s"] and t["windows"][window]["tokens_per_s"]]
 
 
 def burst_section(rec: dict, plot_name: str = "adaptive_burst.png") -> list[str]:
     summary = rec["summary"]
+    twin = BURST_TWIN in rec["runs"]
     lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}). One greedy request "
              f"decodes {rec['workload']['greedy_tokens']} tokens; "
              + (f"after its first {rec['workload']['burst_after_tokens']} tokens a "
@@ -714,15 +736,31 @@ def burst_section(rec: dict, plot_name: str = "adaptive_burst.png") -> list[str]
              + f"burst of {rec['workload']['burst']} sampled requests (T={rec['workload']['burst_temperature']}, "
              f"{rec['workload']['burst_tokens']} tokens) arrives. Committed tok/s, medians over the "
              f"{len(rec['runs']['native'])} repeats; `paired`: the median (and range) over repeats of the "
-             "ratio within each repeat, whose two timelines run back to back:", "",
-             "| window | native | adaptive | adaptive vs native | paired (range) |", "|---|---|---|---|---|"]
+             "ratio within each repeat, whose timelines run back to back"
+             + ("; `twin`: a second native engine over the first, the same way (the noise floor); "
+                "`vs both natives`: adaptive over the geometric mean of the two natives, which run just "
+                "before and after it in each repeat, median and mean (± standard error) over repeats"
+                if twin else "") + ":", "",
+             "| window | native | adaptive | adaptive vs native | paired (range) |"
+             + (" twin vs native | twin paired (range) | vs both natives: median | mean ± s.e. |" if twin else ""),
+             "|---|---|---|---|---|" + ("---|---|---|---|" if twin else "")]
+
+    def sandwich_cells(window: str) -> str:
+        ratios = burst_sandwich_ratios(rec, window)
+        if len(ratios) < 2:
+            return " – | – |"
+        error = statistics.stdev(ratios) / math.sqrt(len(ratios))
+        return f" {fmt(statistics.median(ratios))}× | {statistics.mean(ratios):.3f} ± {error:.3f} |"
+
+    def paired_cell(ratios: list[float]) -> str:
+        return f"{fmt(statistics.median(ratios))}× ({fmt(min(ratios))}–{fmt(max(ratios))}×) |" if ratios else "– |"
+
     for w in ("before", "burst", "after"):
         tps = summary[f"{w}_tokens_per_s"]
-        paired = burst_paired_ratios(rec, w)
         lines.append(f"| {w} | {fmt(tps['native'], 0)} | {fmt(tps['loopspec adaptive'], 0)} "
-                     f"| {fmt(summary[f'{w}_speedup_median'])}× | "
-                     + (f"{fmt(statistics.median(paired))}× ({fmt(min(paired))}–{fmt(max(paired))}×) |"
-                        if paired else "– |"))
+                     f"| {fmt(summary[f'{w}_speedup_median'])}× | " + paired_cell(burst_paired_ratios(rec, w))
+                     + (f" {fmt(summary[f'{w}_twin_ratio_median'])}× | "
+                        + paired_cell(burst_paired_ratios(rec, w, BURST_TWIN)) + sandwich_cells(w) if twin else ""))
     lines += ["", f"![policy K over time](results/plots/{plot_name})", ""]
     return lines
 

@@ -68,6 +68,27 @@ def test_burst_ratios_are_paired_by_repeat(report):
     assert report.burst_paired_ratios(rec, "after") == pytest.approx([1.5])  # a window native never reached
 
 
+def test_burst_section_shows_the_second_native_as_the_noise_floor(report):
+    def run(burst):
+        return {"windows": {w: {"tokens_per_s": r} for w, r in zip(("before", "burst", "after"), (100, burst, 100))}}
+
+    summary = {f"{w}_tokens_per_s": {"native": 100, "loopspec adaptive": 100} for w in ("before", "burst", "after")}
+    summary |= {f"{w}_speedup_median": 1.0 for w in ("before", "burst", "after")}
+    rec = {"command": "c", "when": "w", "engine": "e", "summary": summary,
+           "workload": {"greedy_tokens": 9, "burst_after_tokens": 2, "burst": 16, "burst_temperature": 0.8,
+                        "burst_tokens": 9},
+           "runs": {"native": [run(1000), run(500)], "loopspec adaptive": [run(900), run(600)]}}
+    plain = "\n".join(report.burst_section(rec))
+    assert "twin" not in plain  # a record from before the twin: the table it always had
+    rec["runs"]["native twin"] = [run(1100), run(450)]
+    rec["summary"] |= {f"{w}_twin_ratio_median": 0.97 for w in ("before", "burst", "after")}
+    table = [line for line in report.burst_section(rec) if line.startswith("| burst")]
+    # adaptive over the geometric mean of the natives around it: 900/sqrt(1000*1100), 600/sqrt(500*450)
+    assert report.burst_sandwich_ratios(rec, "burst") == pytest.approx([0.8581, 1.2649], abs=1e-4)
+    assert table == ["| burst | 100 | 100 | 1.00× | 1.05× (0.90–1.20×) | 0.97× | 1.00× (0.90–1.10×) "
+                     "| 1.06× | 1.062 ± 0.203 |"]
+
+
 def test_twin_of_the_best_fixed_arm_is_scored_over_every_assignment_of_the_natives_spread(report):
     def trials(*rates):
         return [{"tokens_per_s": r} for r in rates]
