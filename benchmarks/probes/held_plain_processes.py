@@ -12,7 +12,7 @@ steady decode (the prefill step and the three after it left out).
 Reported: per engine, the median over repeats of its step time over the
 first engine's in the same repeat (paired).
 
-    python benchmarks/probes/held_plain_processes.py MODE REPEATS [OUT [KIND,KIND,...]]
+    [HELD_PLAIN_SHAPE=sampled16] python benchmarks/probes/held_plain_processes.py MODE REPEATS [OUT [KIND,KIND,...]]
 
 ``KIND``: ``native`` or ``held``, one engine each, built in that order
 (default ``native,native,held``). The thirty-eighth session's first runs
@@ -21,6 +21,7 @@ engines ``native``, ``native2``, ``held``.
 """
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -33,6 +34,9 @@ from _probe import CHECKPOINT, ENGINE_ARGS, ROOT, load_prompts  # noqa: E402
 
 KINDS = {"native": None, "held": {"method": "loopspec", "draft_loops": 2, "schedule": "auto"}}
 ENGINES = ["native", "native", "held"]  # the default line-up: a second native is the noise floor
+# The batch: the burst's (one greedy request and 16 sampled) unless
+# HELD_PLAIN_SHAPE=sampled16 (the sweep's short T=0.8 c16: 16 sampled).
+GREEDY, SAMPLED = (0, 16) if os.environ.get("HELD_PLAIN_SHAPE") == "sampled16" else (1, 16)
 ARGS = {**ENGINE_ARGS, "max_num_seqs": 32}
 
 
@@ -55,8 +59,9 @@ def trial(llm, tag: str) -> float:
 
     prompts = load_prompts("mixed")
     engine = llm.llm_engine
-    engine.add_request(f"{tag}-g", prompts[0], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
-    for i in range(16):
+    if GREEDY:
+        engine.add_request(f"{tag}-g", prompts[0], SamplingParams(max_tokens=96, temperature=0, ignore_eos=True))
+    for i in range(SAMPLED):
         engine.add_request(f"{tag}-{i}", prompts[(1 + i) % len(prompts)],
                            SamplingParams(max_tokens=96, temperature=0.8, seed=100 + i, ignore_eos=True))
     times = []
@@ -121,6 +126,7 @@ def main() -> None:
         out = ROOT / sys.argv[3]
         record = json.loads(out.read_text()) if out.exists() else {}
         record[mode] = {"command": "python benchmarks/probes/held_plain_processes.py " + " ".join(sys.argv[1:]),
+                        "batch": {"greedy": GREEDY, "sampled": SAMPLED},
                         "when": time.strftime("%Y-%m-%d %H:%M:%S"), "median_step_us": medians,
                         "paired_step_over_native": paired,
                         "step_seconds": {k: [round(x, 6) for x in v] for k, v in steps.items()}}
