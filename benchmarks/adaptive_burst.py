@@ -29,11 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loopspec_decode  # noqa: E402,F401  (sets the in-process environment)
+import report  # noqa: E402
 from loopspec_decode import RESULTS, ROOT, load_prompts  # noqa: E402
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
 
 
-TWIN = "native twin"  # a second native engine: the noise floor of the ratios
+TWIN = report.BURST_TWIN  # a second native engine: the noise floor of the ratios
 
 
 def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: str) -> dict:
@@ -182,10 +183,7 @@ def main() -> None:
             summary[f"{w}_twin_ratio_median"] = med(TWIN, w) / med("native", w)
             # The adaptive engine runs between the two natives in each repeat:
             # over their geometric mean, the host's drift within the repeat cancels.
-            around = [a["windows"][w]["tokens_per_s"]
-                      / math.sqrt(n["windows"][w]["tokens_per_s"] * t["windows"][w]["tokens_per_s"])
-                      for n, a, t in zip(runs["native"], runs["loopspec adaptive"], runs[TWIN])
-                      if n["windows"][w]["tokens_per_s"] and t["windows"][w]["tokens_per_s"]]
+            around = report.burst_sandwich_ratios({"runs": runs}, w)
             summary[f"{w}_vs_both_natives"] = {"median": statistics.median(around),
                                                "mean": statistics.mean(around),
                                                "standard_error": statistics.stdev(around) / math.sqrt(len(around))
