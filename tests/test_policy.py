@@ -7,7 +7,7 @@ import pytest
 from vllm_loopspec.speculative.adaptive import (EXPLORE_EVERY, GREEDY, SAMPLED, SKIP_LOW_ACCEPTANCE, SKIP_WIDTH_CAP,
                                                 AdaptiveController)
 from vllm_loopspec.speculative.policy import (Candidate, StepCosts, decide, expected_tokens, fit_linear,
-                                              later_rates, rearm_width, shape_medians, width_cap)
+                                              later_rates, rearm_width, seeded_costs, shape_medians, width_cap)
 
 # A CPU-like engine: a step costs mostly its fixed overhead; a draft tick a
 # fraction of it; rows are cheap until the batch is wide.
@@ -246,6 +246,60 @@ def test_pinned_start_k_is_used_until_costs_are_fitted():
     c = AdaptiveController(max_k=8, start_k=3)
     drafts = [c.plan([("a", False, 8)])[0][0] for _ in range(8)]
     assert c.costs is None and set(drafts) == {0, 1, 3, 8}
+
+
+def test_seeded_costs_price_steps_from_the_timed_pieces():
+    """A plain step of n tokens: R loops and lm_head over n rows; a round of
+    K ticks over B drafting rows and n tokens: the same for its tokens, plus
+    per tick d loops and lm_head over the B rows."""
+    tick, logits, loops, d = (1e-3, 2e-5), (1e-4, 1e-5), 4, 2
+    costs = seeded_costs(tick, logits, loops, d)
+    loop = lambda n: tick[0] + tick[1] * n  # noqa: E731
+    head = lambda n: logits[0] + logits[1] * n  # noqa: E731
+    assert costs.plain_step(8) == pytest.approx(loops * loop(8) + head(8))
+    k, rows, tokens = 4, 8, 8 * 5
+    assert costs.spec_step(k, rows, tokens) == pytest.approx(loops * loop(tokens) + head(tokens)
+                                                             + k * (d * loop(rows) + head(rows)))
+    assert costs.context == (0.0, 0.0)
+    assert seeded_costs((-1e-4, 2e-5), (1e-4, -1e-6), loops, d).plain[0] >= 0  # a fit's noise is no negative cost
+
+
+def test_a_seeded_controller_decides_from_its_first_step_and_a_fit_replaces_the_seed():
+    """Seeded at startup, the policy decides the first step itself (no
+    warm-up cycling K: high acceptance drafts a long round); the fit of the
+    engine's own timings replaces the seed once rounds of three draft
+    counts were timed, and the factors measured against the seed are
+    re-expressed against the fit (the seed left out half of every step)."""
+    rng = np.random.default_rng(0)
+    c = AdaptiveController(max_k=8, start_k=4)
+    seed = StepCosts(plain=tuple(x / 2 for x in CPU_LIKE.plain), spec=tuple(x / 2 for x in CPU_LIKE.spec))
+    c.seed(seed)
+    assert c.seeded and c.costs is seed
+    c._engine_acceptance[False].values[:] = 0.9  # an engine that has seen rounds accept
+    c._engine_acceptance[False].seen[:] = 64
+    history = drive(c, [("a", False, 8)], CPU_LIKE, {"a": 0.9}, 12, rng)
+    assert history[0][2] == "policy" and max(history[0][0]) >= 4
+    assert "warmup" not in {reason for _, _, reason in history}
+    assert c.seeded  # rounds of one or two lengths: the seed prices the others
+    factors = c.time_factors((0, GREEDY))
+    assert factors[max(history[-1][0])] == pytest.approx(2.0, rel=0.1)
+    # Rounds of other lengths, and plain steps: the fit replaces the seed.
+    for k in (1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 0, 0, 0, 0):
+        for _ in range(2):
+            seconds = CPU_LIKE.spec_step(k, 1, 1 + k) if k else CPU_LIKE.plain_step(1)
+            c.observe_step(k, 1 if k else 0, 1 + k, seconds, width=1, committed=1)
+            c.observe_gap(0.0)
+    c.plan([("a", False, 8)])
+    assert not c.seeded and c.costs is not seed
+    assert c.costs.spec_step(4, 1, 5) == pytest.approx(CPU_LIKE.spec_step(4, 1, 5), rel=0.1)
+    measured = c.measured_factors(1)
+    assert measured and all(f == pytest.approx(1.0, rel=0.1) for f in measured.values()), measured
+
+
+def test_an_unseeded_controller_keeps_the_warm_up():
+    c = AdaptiveController(max_k=8, start_k=4)
+    c.plan([("a", False, 8)])
+    assert c.costs is None and not c.seeded and c.history[-1].reason == "warmup"
 
 
 class TrueCosts:

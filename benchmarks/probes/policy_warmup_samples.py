@@ -2,8 +2,8 @@
 each concurrency, short prompts) takes an ``"auto"`` d1 engine's round
 policy toward its cost model (``WARMUP_PLAIN_SAMPLES`` plain and
 ``WARMUP_SPEC_SAMPLES`` round samples), and what the first 128-token c1
-trial adds. Prints the policy's sample counts, whether it has a fit, and
-the chooser's decisions after each.
+trial adds. Prints the policy's sample counts, whether its costs are the
+startup seed or a fit (or none), and the chooser's decisions after each.
 
     python benchmarks/probes/policy_warmup_samples.py
 """
@@ -23,7 +23,7 @@ def main() -> None:
 
     def state(tag: str) -> None:
         print(f"{tag}: plain samples {len(policy._plain)}, round samples {len(policy._spec)}, "
-              f"fitted {policy.costs is not None}, chooser {dict(drafter.chooser.decisions)}", flush=True)
+              f"costs {'seeded' if policy.seeded else 'fitted' if policy.costs is not None else 'none'}, chooser {dict(drafter.chooser.decisions)}", flush=True)
 
     state("start")
     for c in (1, 4, 8, 16):

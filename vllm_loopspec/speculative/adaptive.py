@@ -11,11 +11,15 @@
   where they were high, so deep positions run optimistic.
 * **Step costs**, fitted by least squares from the engine's own step timings
   (model runner from ``execute_model`` to the end of ``sample_tokens``, plus
-  the median gap after each kind of step: the scheduler and output handling). Until
-  both kinds of step have been timed in enough shapes (warm-up), rounds use
-  the configured starting K, cycling through other K and plain steps to
-  sample the shapes; afterwards one step in :data:`EXPLORE_EVERY` tries a
-  neighbour of the decision, so the fit follows a machine that changes.
+  the median gap after each kind of step: the scheduler and output handling).
+  Until both kinds of step have been timed in enough shapes, the policy
+  decides on costs seeded at startup (:meth:`AdaptiveController.seed`: the
+  model's tick and ``lm_head`` timed by the drafter,
+  :func:`~vllm_loopspec.speculative.policy.seeded_costs`), corrected by the
+  measured factors below; an engine without a seed uses the configured
+  starting K, cycling through other K and plain steps to sample the shapes
+  (warm-up). Afterwards one step in :data:`EXPLORE_EVERY` tries a neighbour
+  of the decision, so the fit follows a machine that changes.
 * **Margin**: a round must be expected to beat the plain step by
   :data:`SPECULATION_MARGIN`; within the estimates' error the plain step,
   vLLM's own and compiled, is the safer choice.
@@ -108,6 +112,11 @@ PLAIN_RECHECK_EVERY = 4
 ENGINE_WEIGHT = 0.02
 WARMUP_PLAIN_SAMPLES = 6
 WARMUP_SPEC_SAMPLES = 12
+# A fit replaces the startup seed once its round samples span this many
+# draft counts (or every count up to max_k): the seed prices each draft tick
+# from measured pieces, a fit of rounds of one or two lengths only
+# extrapolates to the others.
+SEED_REPLACED_AFTER_TICK_COUNTS = 3
 EXPLORE_EVERY = 16  # steps
 # A round must be expected to beat the plain step by this share: where the
 # two are within the estimates' error, the plain step (vLLM's own, compiled,
@@ -202,6 +211,7 @@ class _Ratio:
 
     value: float = 1.0
     samples: int = 0
+    shape: tuple[int, int, int, int] | None = None  # (ticks, rows, tokens, context) of the last step
 
     def update(self, ratio: float) -> None:
         self.samples += 1
@@ -260,6 +270,11 @@ def _barely_measured(state: "_RequestState", sampled: bool) -> bool:
     return not sampled and state.acceptance.own[0] < THIN_EVIDENCE_ROUNDS
 
 
+def _predict(costs: StepCosts, ticks: int, rows: int, tokens: int, context: int) -> float:
+    """Seconds of a step of this shape (``ticks == 0``: plain)."""
+    return costs.plain_step(tokens, context) if ticks == 0 else costs.spec_step(ticks, rows, tokens, context)
+
+
 def width_bucket(width: int) -> int:
     """Widths 1, 2, 3-4, 5-8, 9-16, ...: rates are compared within a bucket."""
     return max(int(width) - 1, 0).bit_length()
@@ -301,6 +316,7 @@ class AdaptiveController:
     cap: int | None = None
     cap_mix: int | None = None  # the sampling mix of the batches the cap was set for
     costs: StepCosts | None = None
+    seeded: bool = False  # costs is the startup seed, not yet a fit of timed steps
     plain_streak: int = 0
     history: deque = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -317,7 +333,8 @@ class AdaptiveController:
         self._last_kind: bool | None = None  # speculative? of the last timed step
         self._gaps_added = 0
         self._gap_medians: dict[bool, tuple[int, float]] = {}  # kind -> (gaps added then, median)
-        self._pending: tuple[tuple[int, int], int, float, float] | None = None
+        # (key, ticks, seconds, predicted, shape) of the last step, until its gap is known
+        self._pending: tuple[tuple[int, int], int, float, float, tuple[int, int, int, int]] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._new_samples = 0
         # (width bucket, sampling mix) -> draft count of the step -> measured / predicted time
@@ -328,6 +345,18 @@ class AdaptiveController:
         self._plain_run: tuple[tuple[str, ...], str, dict[str, int]] | None = None  # (requests, reason, skipped)
 
     # -- measurements -------------------------------------------------------------
+    def seed(self, costs: StepCosts) -> None:
+        """Step costs to decide with until the engine's own steps are timed
+        in enough shapes (:func:`~.policy.seeded_costs`: the model's pieces
+        timed at startup): without them the first steps of an engine would
+        be a warm-up that cycles K whatever the workload (after the sweep's
+        warm-up a d1 engine had 2 of its 6 plain and 8 of its 12 round
+        samples, ``benchmarks/probes/policy_warmup_samples.py``). The
+        measured factors correct the seed where it is off; a fit replaces it
+        (:meth:`_refit`)."""
+        if self.costs is None:
+            self.costs, self.seeded = costs, True
+
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
         """A verified round: drafts ``1..num_accepted`` accepted, the next (if
         drafted) rejected."""
@@ -358,9 +387,8 @@ class AdaptiveController:
         if width and self.costs is not None:
             # The prediction includes the median gap after the step; so does
             # the measurement (observe_gap).
-            predicted = (self.costs.plain_step(tokens, context) if ticks == 0
-                         else self.costs.spec_step(ticks, spec_rows, tokens, context))
-            self._pending = ((width_bucket(width), mix), ticks, seconds, predicted)
+            predicted = _predict(self.costs, ticks, spec_rows, tokens, context)
+            self._pending = ((width_bucket(width), mix), ticks, seconds, predicted, (ticks, spec_rows, tokens, context))
         context = int(round(context / CONTEXT_BUCKET)) * CONTEXT_BUCKET
         if ticks == 0:
             self._plain.append((tokens, context, seconds))
@@ -378,9 +406,11 @@ class AdaptiveController:
             self._gaps[self._last_kind].append(seconds)
             self._gaps_added += 1
         if self._pending is not None:
-            key, ticks, step_seconds, predicted = self._pending
+            key, ticks, step_seconds, predicted, shape = self._pending
             measured = step_seconds + self._median_gap(ticks > 0)
-            self._ratios.setdefault(key, {}).setdefault(ticks, _Ratio()).update(measured / max(predicted, 1e-9))
+            ratio = self._ratios.setdefault(key, {}).setdefault(ticks, _Ratio())
+            ratio.update(measured / max(predicted, 1e-9))
+            ratio.shape = shape
             self._pending = None
 
     def _median_gap(self, speculative: bool) -> float:
@@ -418,7 +448,7 @@ class AdaptiveController:
         skipped: dict[str, int] = {}
         if not requests:
             return [], skipped
-        if self._new_samples >= REFIT_EVERY or self.costs is None:
+        if self._new_samples >= REFIT_EVERY or self.costs is None or self.seeded:
             self._refit()  # here, not per sample: plain steps under the width cap fit nothing
         if self.costs is None:
             drafts = self._warmup(requests)
@@ -669,6 +699,8 @@ class AdaptiveController:
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 5)
         if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
             return
+        if self.seeded and len(np.unique(spec[:, 0])) < min(SEED_REPLACED_AFTER_TICK_COUNTS, self.max_k):
+            return
         shapes, seconds, counts = shape_medians(spec)
         ticks, rows, tokens, context = shapes.T
         spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens, context]),
@@ -688,9 +720,25 @@ class AdaptiveController:
             return
         plain_coef[0] += self._median_gap(False)
         spec_coef[0] += self._median_gap(True)
-        self.costs = StepCosts(plain=(float(plain_coef[0]), float(plain_coef[1])),
-                               spec=tuple(float(c) for c in spec_coef[:4]),
-                               context=(float(plain_coef[2]), float(spec_coef[4])))
+        before, self.costs = self.costs, StepCosts(plain=(float(plain_coef[0]), float(plain_coef[1])),
+                                                   spec=tuple(float(c) for c in spec_coef[:4]),
+                                                   context=(float(plain_coef[2]), float(spec_coef[4])))
+        if self.seeded:
+            self.seeded = False
+            self._rebase_factors(before)
+
+    def _rebase_factors(self, before: StepCosts) -> None:
+        """The measured factors are measured over predicted time, predicted
+        by ``before`` (the seed, which leaves out the step's host work and
+        attention): re-expressed over the new fit's prediction of each
+        factor's last step, they keep what was measured without the
+        seed's error (which the fit no longer has)."""
+        for ratios in self._ratios.values():
+            for ratio in ratios.values():
+                if ratio.shape is None:
+                    continue
+                old, new = (_predict(costs, *ratio.shape) for costs in (before, self.costs))
+                ratio.value *= old / max(new, 1e-9)
 
     def _record(self, width: int, drafts: list[int], reason: str) -> None:
         self.history.append(StepRecord(self.step, width, tuple(drafts), reason))

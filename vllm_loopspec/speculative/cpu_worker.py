@@ -36,6 +36,13 @@ class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
 class LoopSpecCPUWorker(CPUWorker):
     """CPU worker whose model runner runs loopspec rounds (``--worker-cls``)."""
 
+    def compile_or_warm_up_model(self):
+        """After vLLM's warm-up (the model compiled, the KV cache bound): the
+        adaptive policy's step costs seeded from the model's timed pieces."""
+        times = super().compile_or_warm_up_model()
+        self.model_runner.drafter.seed_costs(self.model_runner.max_num_reqs)
+        return times
+
     def init_device(self) -> None:
         from vllm_loopspec.patches import cpu_worker_builds
 

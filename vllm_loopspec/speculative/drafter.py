@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
 from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
 from vllm_loopspec.speculative.batch_drain import DrainPaces
@@ -35,10 +36,13 @@ from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, Pipe
                                                  SampledDecider, run_pipelined)
 from vllm_loopspec.speculative.plan import RoundPlan, StepLayout, TickAttention, build_plan, host_tensor, tick_attention
 from vllm_loopspec.speculative.planes import StackedPlanes, stack_loop_planes
+from vllm_loopspec.speculative.policy import fit_linear, seeded_costs
 from vllm_loopspec.speculative.round import RoundOutput, run_round
 from vllm_loopspec.speculative.schedule_choice import (PIPELINED, PLAIN, POLICY, UNCHOSEN, ScheduleChooser, arm_depth,
                                                        arm_kind, arms_for_depths)
 from vllm_loopspec.speculative.metrics import LoopSpecStats
+
+logger = init_logger("vllm.loopspec.drafter")  # under vLLM's logger, which has the handlers
 
 TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
 
@@ -56,6 +60,24 @@ SKIP_LOGIT_BIAS = "logit_bias"
 SKIP_ARRIVALS = "arrivals"
 _SAMPLING_EPS = 1e-5
 _TINY = torch.finfo(torch.float32).tiny  # log(0) guard for the uniform draws
+
+
+def _median_seconds(run, device, repeats: int = 3) -> float:
+    """Median wall seconds of ``run()`` over ``repeats`` calls after one
+    that is not counted (it may pay one-off work)."""
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run()
+    seconds = []
+    for _ in range(repeats):
+        synchronize()
+        start = time.perf_counter()
+        run()
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    return float(np.median(seconds))
 
 
 def _decode_only(scheduler_output) -> bool:
@@ -174,6 +196,42 @@ class LoopSpecDrafter:
         positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         with set_forward_context(None, config, num_tokens=num_tokens):
             self.model.model.run_tick(hidden, positions, (LoopGroup(0, 0, num_tokens),))
+
+    def seed_costs(self, max_rows: int) -> None:
+        """Seed each depth's adaptive policy with step costs from the model's
+        own pieces, timed here at startup (:func:`~.policy.seeded_costs`):
+        one loop of the layer stack and ``lm_head`` over 1, 2, 4, ... rows
+        (up to ``max_rows`` and 64), without attention metadata, as
+        :meth:`warm_up` runs the tick. The first steps are then decided by
+        the policy, not a warm-up that cycles K; the engine's own step
+        timings replace the seed once they cover enough shapes."""
+        from vllm.distributed import get_pp_group
+        from vllm.forward_context import set_forward_context
+        from vllm_loopspec.models.ouro import LoopGroup
+
+        if not self.controllers or not get_pp_group().is_last_rank:  # lm_head lives on the last stage
+            return
+        config, device = self.vllm_config, self.runner.device
+        hidden_size, dtype = self.model.config.hidden_size, config.model_config.dtype
+        rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= max(max_rows, 1)]
+        tick, logits = [], []
+        for n in rows:
+            hidden = torch.zeros((n, hidden_size), dtype=dtype, device=device)
+            positions = torch.zeros(n, dtype=torch.int64, device=device)
+            with set_forward_context(None, config, num_tokens=n):
+                tick.append(_median_seconds(
+                    lambda: self.model.model.run_tick(hidden, positions, (LoopGroup(0, 0, n),)), device))
+            logits.append(_median_seconds(lambda: self.model.compute_logits(hidden), device))
+        features = np.column_stack([np.ones(len(rows)), rows])
+        tick_fit = fit_linear(features, np.asarray(tick))
+        logits_fit = fit_linear(features, np.asarray(logits))
+        if tick_fit is None or logits_fit is None:  # a single row count: no slope
+            tick_fit = np.array([tick[0], 0.0])
+            logits_fit = np.array([logits[0], 0.0])
+        for d, controller in self.controllers.items():
+            controller.seed(seeded_costs(tuple(tick_fit), tuple(logits_fit), self.num_loops, d))
+        logger.info("loopspec: step costs seeded at startup: a loop %.3f ms + %.4f ms per row, "
+                    "lm_head %.3f ms + %.4f ms per row", *(1e3 * c for c in (*tick_fit, *logits_fit)))
 
     def bind(self, runner) -> None:
         """The runner whose batch this drafter speculates for (its input

@@ -20,5 +20,12 @@ class LoopSpecGPUModelRunner(LoopSpecRunnerMixin, GPUModelRunner):
 class LoopSpecGPUWorker(Worker):
     """GPU worker whose model runner runs loopspec rounds."""
 
+    def compile_or_warm_up_model(self):
+        """After vLLM's warm-up (the model compiled, the KV cache bound): the
+        adaptive policy's step costs seeded from the model's timed pieces."""
+        times = super().compile_or_warm_up_model()
+        self.model_runner.drafter.seed_costs(self.model_runner.max_num_reqs)
+        return times
+
     def _make_model_runner(self):
         return LoopSpecGPUModelRunner(self.vllm_config, self.device)

@@ -43,7 +43,9 @@ class LoopSpecConfigError(ValueError):
 class LoopSpecOptions:
     num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
     """K: tokens drafted per round when ``adaptive`` is off; with it on, the
-    K of the warm-up steps before the cost model is fitted."""
+    K a barely measured greedy request is re-probed with, and of the
+    warm-up steps of a policy that has no startup seed
+    (:meth:`~vllm_loopspec.speculative.adaptive.AdaptiveController.seed`)."""
     max_speculative_tokens: int = DEFAULT_MAX_SPECULATIVE_TOKENS
     """Largest K the adaptive policy may choose (vLLM reserves this many
     draft slots per request)."""

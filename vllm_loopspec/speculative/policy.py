@@ -170,6 +170,28 @@ def later_rates(candidates: Sequence[Candidate], remaining: Sequence[int], costs
     return later
 
 
+def seeded_costs(tick: tuple[float, float], logits: tuple[float, float], num_loops: int,
+                 draft_loops: int) -> StepCosts:
+    """Step costs before any engine step was timed, from the model's pieces
+    timed at startup: ``tick = (a, b)``, seconds of one loop of the layer
+    stack over ``n`` rows as ``a + b·n``; ``logits = (e, f)``, of ``lm_head``
+    over ``n`` rows. A plain step is ``R`` loops over its tokens and
+    ``lm_head`` over them; a round adds, per draft tick, ``d`` loops and
+    ``lm_head`` over its drafting rows, and its tokens take ``R`` loops
+    (shallow ticks, then deep ones) and verification logits each.
+
+    No attention (the pieces ran without KV, so the context terms are 0),
+    no scheduler, sampler or host bookkeeping: a seed to decide the first
+    steps with, replaced by the fit of the engine's own step timings as soon
+    as it has the samples (:meth:`~.adaptive.AdaptiveController.seed`)."""
+    a, b = (max(float(c), 0.0) for c in tick)
+    e, f = (max(float(c), 0.0) for c in logits)
+    intercept = num_loops * a + e
+    per_token = num_loops * b + f
+    return StepCosts(plain=(intercept, per_token),
+                     spec=(intercept, draft_loops * a + e, draft_loops * b + f, per_token))
+
+
 def rearm_width(cap: int) -> int:
     """Width at or below which speculation re-arms after the cap turned it
     off: a quarter below the cap (at least one row below), so that a batch
