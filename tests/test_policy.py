@@ -296,6 +296,23 @@ def test_a_seeded_controller_decides_from_its_first_step_and_a_fit_replaces_the_
     assert measured and all(f == pytest.approx(1.0, rel=0.1) for f in measured.values()), measured
 
 
+def test_a_seeded_controller_drafts_the_starting_k_until_a_mode_has_rounds():
+    """Rounds that the seed and the prior acceptance price as losing are
+    still drafted, with the starting K, until the sampling mode has
+    MODE_PROBE_ROUNDS rounds engine-wide: the prior is no measurement."""
+    from vllm_loopspec.speculative.adaptive import MODE_PROBE_ROUNDS
+
+    c = AdaptiveController(max_k=8, start_k=3)
+    costly = StepCosts(plain=(0.005, 0.0002), spec=(0.005, 0.004, 0.0002, 0.0002))
+    assert decide([Candidate((0.5,) * 8, 8)], costly, 8).plain
+    c.seed(costly)
+    history = drive(c, [("a", False, 8)], costly, {"a": 0.0}, 2 * MODE_PROBE_ROUNDS, np.random.default_rng(0))
+    drafts = [d[0] for d, _, _ in history]
+    assert drafts[:MODE_PROBE_ROUNDS] == [3] * MODE_PROBE_ROUNDS
+    assert c._engine_acceptance[False].seen[0] >= MODE_PROBE_ROUNDS
+    assert drafts[MODE_PROBE_ROUNDS:].count(0) >= MODE_PROBE_ROUNDS - 2, drafts  # measured rejecting: plain
+
+
 def test_an_unseeded_controller_keeps_the_warm_up():
     c = AdaptiveController(max_k=8, start_k=4)
     c.plan([("a", False, 8)])
@@ -462,6 +479,7 @@ def test_acceptance_calibration_scales_estimates_to_what_rounds_accept():
         c = AdaptiveController(max_k=8, start_k=4)
         c.costs = CPU_LIKE
         c._refit = lambda: None
+        c._engine_acceptance[False].seen[:] = 64  # rounds measured: no mode probe
         state = c._request("a", False)
         state.acceptance.values[:] = 0.9
         state.acceptance.seen[:] = 10

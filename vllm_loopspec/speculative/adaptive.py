@@ -148,6 +148,13 @@ SKIP_MEASURED = "measured_rate"
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
 ACCEPTANCE_EVIDENCE = 32  # rounds of a sampling mode before its estimate is trusted to say "plain"
+# Rounds of a sampling mode, engine-wide, before the policy may leave its
+# requests plain on their estimate: before them the estimate is the prior
+# (ACCEPTANCE_PRIOR), and a policy seeded at startup priced a lone greedy
+# request's rounds at the prior as losing, so its first steps were plain and
+# measured no acceptance (benchmarks/probes/policy_warmup_samples.py). Such
+# a request drafts the starting K. (The unseeded warm-up drafted anyway.)
+MODE_PROBE_ROUNDS = 8
 # Acceptance calibration: decay per tested draft, and the tested drafts a
 # position needs before its own ratio is used.
 CALIBRATION_WEIGHT = 0.01
@@ -472,9 +479,12 @@ class AdaptiveController:
             state = self._request(req_id, sampled)
             paused = state.paused_until > self.step
             # A paused request's re-probe: drafts at least one (a barely
-            # measured greedy one: the starting K); 0: no probe.
+            # measured greedy one: the starting K); a request of a sampling
+            # mode with too few rounds engine-wide: the starting K; 0: no probe.
             probe = not paused and state.paused_until >= 0 and limit > 0
-            probes.append(0 if not probe else self.start_k if _barely_measured(state, sampled) else 1)
+            unmeasured_mode = limit > 0 and self._engine_acceptance[sampled].seen[0] < MODE_PROBE_ROUNDS
+            probes.append(self.start_k if unmeasured_mode or (probe and _barely_measured(state, sampled))
+                          else 1 if probe else 0)
             # A request whose pause is over is a full candidate (the policy
             # may give it drafts again); below, it drafts at least one.
             candidates.append(Candidate(_calibrated(state.acceptance, calibration[sampled]), 0 if paused else limit))
