@@ -343,6 +343,7 @@ class AdaptiveController:
         # (key, ticks, seconds, predicted, shape) of the last step, until its gap is known
         self._pending: tuple[tuple[int, int], int, float, float, tuple[int, int, int, int]] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
+        self._spec_ticks: set[int] = set()  # draft counts of the round samples
         self._new_samples = 0
         # (width bucket, sampling mix) -> draft count of the step -> measured / predicted time
         self._ratios: dict[tuple[int, int], dict[int, _Ratio]] = {}
@@ -401,6 +402,7 @@ class AdaptiveController:
             self._plain.append((tokens, context, seconds))
         else:
             self._spec.append((ticks, spec_rows, tokens, context, seconds))
+            self._spec_ticks.add(ticks)
         self._new_samples += 1
 
     def observe_gap(self, seconds: float | None) -> None:
@@ -705,12 +707,14 @@ class AdaptiveController:
 
     def _refit(self) -> None:
         self._new_samples = 0
+        # Checked before any array is built: until a fit is possible this
+        # runs every step.
+        if len(self._plain) < WARMUP_PLAIN_SAMPLES or len(self._spec) < WARMUP_SPEC_SAMPLES:
+            return
+        if self.seeded and len(self._spec_ticks) < min(SEED_REPLACED_AFTER_TICK_COUNTS, self.max_k):
+            return
         plain = np.array(self._plain, dtype=np.float64).reshape(-1, 3)
         spec = np.array(self._spec, dtype=np.float64).reshape(-1, 5)
-        if len(plain) < WARMUP_PLAIN_SAMPLES or len(spec) < WARMUP_SPEC_SAMPLES:
-            return
-        if self.seeded and len(np.unique(spec[:, 0])) < min(SEED_REPLACED_AFTER_TICK_COUNTS, self.max_k):
-            return
         shapes, seconds, counts = shape_medians(spec)
         ticks, rows, tokens, context = shapes.T
         spec_coef = fit_linear(np.column_stack([np.ones(len(shapes)), ticks, ticks * rows, tokens, context]),
