@@ -296,21 +296,43 @@ def test_a_seeded_controller_decides_from_its_first_step_and_a_fit_replaces_the_
     assert measured and all(f == pytest.approx(1.0, rel=0.1) for f in measured.values()), measured
 
 
-def test_a_seeded_controller_drafts_the_starting_k_until_a_mode_has_rounds():
-    """Rounds that the seed and the prior acceptance price as losing are
-    still drafted, with the starting K, until the sampling mode has
-    MODE_PROBE_ROUNDS rounds engine-wide: the prior is no measurement."""
-    from vllm_loopspec.speculative.adaptive import MODE_PROBE_ROUNDS
+def test_a_seeded_controller_warms_up_until_the_batch_mode_has_rounds():
+    """With costs seeded but no rounds of a sampling mode yet (its estimate
+    is the prior), a batch with requests of that mode warms up (cycling K,
+    plain every fourth step, the chooser told so) until the mode has
+    MODE_PROBE_ROUNDS rounds engine-wide; then the policy decides. A greedy
+    batch's rounds do not end a sampled batch's warm-up."""
+    from vllm_loopspec.speculative.adaptive import MIXED, MODE_PROBE_ROUNDS
 
     c = AdaptiveController(max_k=8, start_k=3)
-    costly = StepCosts(plain=(0.005, 0.0002), spec=(0.005, 0.004, 0.0002, 0.0002))
-    assert decide([Candidate((0.5,) * 8, 8)], costly, 8).plain
-    c.seed(costly)
-    history = drive(c, [("a", False, 8)], costly, {"a": 0.0}, 2 * MODE_PROBE_ROUNDS, np.random.default_rng(0))
-    drafts = [d[0] for d, _, _ in history]
-    assert drafts[:MODE_PROBE_ROUNDS] == [3] * MODE_PROBE_ROUNDS
-    assert c._engine_acceptance[False].seen[0] >= MODE_PROBE_ROUNDS
-    assert drafts[MODE_PROBE_ROUNDS:].count(0) >= MODE_PROBE_ROUNDS - 2, drafts  # measured rejecting: plain
+    c.seed(CPU_LIKE)
+    assert c.warming_up(GREEDY) and c.warming_up(SAMPLED) and c.warming_up(MIXED)
+    history = drive(c, [(f"g{i}", False, 8) for i in range(4)], CPU_LIKE, {f"g{i}": 0.9 for i in range(4)},
+                    3 * MODE_PROBE_ROUNDS // 4, np.random.default_rng(0))
+    reasons = [reason for _, _, reason in history]
+    warm = reasons.index("policy") if "policy" in reasons else len(reasons)
+    assert warm >= MODE_PROBE_ROUNDS // 4 and set(reasons[:warm]) == {"warmup"}
+    assert {max(d) for d, _, _ in history[:warm]} == {0, 1, 3, 8}
+    assert "policy" in reasons[warm:]
+    assert not c.warming_up(GREEDY) and c.warming_up(SAMPLED) and c.warming_up(MIXED)
+    assert c.plan([("s", True, 8)]) and c.history[-1].reason == "warmup"
+
+
+def test_the_seed_takes_the_host_work_of_measured_plain_steps():
+    """Plain steps measured 2 ms dearer than the seed says (host work it
+    cannot time at startup): both intercepts of the seed rise by 2 ms, and
+    the factor measured against the old seed is re-expressed."""
+    c = AdaptiveController(max_k=8, start_k=4)
+    seed = StepCosts(plain=(0.003, 0.0002), spec=(0.003, 0.001, 0.0002, 0.0002))
+    c.seed(seed)
+    for _ in range(8):
+        c.observe_step(0, 0, 1, seed.plain_step(1) + 0.002, width=1, committed=1)
+        c.observe_gap(0.0)
+    c.plan([("a", False, 8)])
+    assert c.seeded
+    assert c.costs.plain[0] == pytest.approx(0.005) and c.costs.spec[0] == pytest.approx(0.005)
+    assert c.costs.spec[1:] == seed.spec[1:]
+    assert c.measured_factors(1)[0] == pytest.approx(1.0, rel=0.01)
 
 
 def test_an_unseeded_controller_keeps_the_warm_up():
@@ -510,6 +532,7 @@ def test_a_new_width_that_neighbours_price_plain_is_not_explored_with_rounds():
     assert not c.armed
     grown = wide + [(f"n{i}", True, 8) for i in range(5)]
     c.armed, c.cap = True, None  # as if the batch had narrowed and re-armed in between
+    c._engine_acceptance[True].seen[:] = 64  # sampled rounds seen before: no warm-up for the mode
     history = drive(c, grown, truth, {r: 0.8 for r, _, _ in grown}, 40, np.random.default_rng(10))
     assert sum(any(d) for d, _, _ in history) <= 2, [d for d, _, _ in history if any(d)]
 

@@ -16,10 +16,13 @@
   decides on costs seeded at startup (:meth:`AdaptiveController.seed`: the
   model's tick and ``lm_head`` timed by the drafter,
   :func:`~vllm_loopspec.speculative.policy.seeded_costs`), corrected by the
-  measured factors below; an engine without a seed uses the configured
-  starting K, cycling through other K and plain steps to sample the shapes
-  (warm-up). Afterwards one step in :data:`EXPLORE_EVERY` tries a neighbour
-  of the decision, so the fit follows a machine that changes.
+  measured factors below. Until then, if there is no seed, and until a
+  sampling mode has :data:`MODE_PROBE_ROUNDS` rounds engine-wide for a batch
+  with its requests, rounds use the configured starting K, cycling through
+  other K and plain steps (warm-up: it measures acceptance at every draft
+  position, and shapes for the fit). Afterwards one step in
+  :data:`EXPLORE_EVERY` tries a neighbour of the decision, so the fit
+  follows a machine that changes.
 * **Margin**: a round must be expected to beat the plain step by
   :data:`SPECULATION_MARGIN`; within the estimates' error the plain step,
   vLLM's own and compiled, is the safer choice.
@@ -148,13 +151,21 @@ SKIP_MEASURED = "measured_rate"
 GUARD_WEIGHT = 0.1
 GUARD_MIN_SAMPLES = 4
 ACCEPTANCE_EVIDENCE = 32  # rounds of a sampling mode before its estimate is trusted to say "plain"
-# Rounds of a sampling mode, engine-wide, before the policy may leave its
-# requests plain on their estimate: before them the estimate is the prior
-# (ACCEPTANCE_PRIOR), and a policy seeded at startup priced a lone greedy
-# request's rounds at the prior as losing, so its first steps were plain and
-# measured no acceptance (benchmarks/probes/policy_warmup_samples.py). Such
-# a request drafts the starting K. (The unseeded warm-up drafted anyway.)
-MODE_PROBE_ROUNDS = 8
+# Rounds of a sampling mode, engine-wide, before the policy decides for a
+# batch with requests of that mode (before, it warms up: :meth:`_warmup`
+# cycles K, and the "auto" chooser does not rate its arm by those steps,
+# :meth:`AdaptiveController.warming_up`): before them the mode's estimate is
+# the prior (ACCEPTANCE_PRIOR), or a few rounds at the first tokens of a
+# generation, the hardest to draft. A policy seeded at startup and deciding
+# at once priced a lone greedy request's rounds at the prior as losing, so
+# its first steps were plain and measured no acceptance
+# (benchmarks/probes/policy_warmup_samples.py); made to draft the starting
+# K for 8 rounds, all rejected at d1, its greedy estimate read 0.17 and the
+# chooser, which measured the policy's arm in those steps, rated it a third
+# of plain and never ran it again (the thirty-ninth session's sweep: 61-98
+# tokens/s per request at width 1, greedy, against 312-818 after the
+# unseeded warm-up).
+MODE_PROBE_ROUNDS = ACCEPTANCE_EVIDENCE
 # Acceptance calibration: decay per tested draft, and the tested drafts a
 # position needs before its own ratio is used.
 CALIBRATION_WEIGHT = 0.01
@@ -344,6 +355,9 @@ class AdaptiveController:
         self._pending: tuple[tuple[int, int], int, float, float, tuple[int, int, int, int]] | None = None
         self._shapes_seen: set[tuple[int, int, int]] = set()
         self._spec_ticks: set[int] = set()  # draft counts of the round samples
+        self._seed: StepCosts | None = None  # the startup seed as timed (seed())
+        self._plain_added = 0  # plain samples ever added
+        self._seed_calibrated_at = 0  # ... when the seed's intercepts were last calibrated
         self._new_samples = 0
         # (width bucket, sampling mix) -> draft count of the step -> measured / predicted time
         self._ratios: dict[tuple[int, int], dict[int, _Ratio]] = {}
@@ -363,7 +377,34 @@ class AdaptiveController:
         measured factors correct the seed where it is off; a fit replaces it
         (:meth:`_refit`)."""
         if self.costs is None:
-            self.costs, self.seeded = costs, True
+            self.costs, self.seeded, self._seed = costs, True, costs
+
+    def _calibrate_seed(self) -> None:
+        """The seed leaves out what every step spends outside the model's
+        pieces (input preparation, sampling, the scheduler): that is added
+        to both intercepts, as the median of the plain samples' seconds over
+        the seed's prediction for them, plus the median gap after a plain
+        step. Without it a round costs the seed more plain steps than it
+        does: the host work, a large share of a narrow plain step on a CPU,
+        is missing from both. The measured factors are re-expressed against
+        the calibrated seed."""
+        plain = np.array(self._plain, dtype=np.float64).reshape(-1, 3)
+        s_p, t_p = self._seed.plain
+        host = max(float(np.median(plain[:, 2] - (s_p + t_p * plain[:, 0]))), 0.0) + self._median_gap(False)
+        before = self.costs
+        self.costs = StepCosts(plain=(s_p + host, t_p), spec=(self._seed.spec[0] + host, *self._seed.spec[1:]),
+                               context=self._seed.context)
+        self._seed_calibrated_at = self._plain_added
+        self._rebase_factors(before)
+
+    def warming_up(self, mix: int) -> bool:
+        """Whether the policy's steps for a batch of sampling ``mix`` are its
+        warm-up (:meth:`_warmup`, cycling K) rather than decisions: no costs
+        yet (no startup seed), or a sampling mode of the batch with fewer
+        than :data:`MODE_PROBE_ROUNDS` rounds engine-wide. The "auto"
+        chooser does not rate the policy's arm by such steps."""
+        modes = (False,) if mix == GREEDY else (True,) if mix == SAMPLED else (False, True)
+        return self.costs is None or any(self._engine_acceptance[m].seen[0] < MODE_PROBE_ROUNDS for m in modes)
 
     def observe_round(self, req_id: str, sampled: bool, num_drafts: int, num_accepted: int) -> None:
         """A verified round: drafts ``1..num_accepted`` accepted, the next (if
@@ -400,6 +441,7 @@ class AdaptiveController:
         context = int(round(context / CONTEXT_BUCKET)) * CONTEXT_BUCKET
         if ticks == 0:
             self._plain.append((tokens, context, seconds))
+            self._plain_added += 1
         else:
             self._spec.append((ticks, spec_rows, tokens, context, seconds))
             self._spec_ticks.add(ticks)
@@ -459,7 +501,7 @@ class AdaptiveController:
             return [], skipped
         if self._new_samples >= REFIT_EVERY or self.costs is None or self.seeded:
             self._refit()  # here, not per sample: plain steps under the width cap fit nothing
-        if self.costs is None:
+        if self.warming_up(mix):
             drafts = self._warmup(requests)
             self._record(width, drafts, "warmup")
             return drafts, skipped
@@ -481,12 +523,9 @@ class AdaptiveController:
             state = self._request(req_id, sampled)
             paused = state.paused_until > self.step
             # A paused request's re-probe: drafts at least one (a barely
-            # measured greedy one: the starting K); a request of a sampling
-            # mode with too few rounds engine-wide: the starting K; 0: no probe.
+            # measured greedy one: the starting K); 0: no probe.
             probe = not paused and state.paused_until >= 0 and limit > 0
-            unmeasured_mode = limit > 0 and self._engine_acceptance[sampled].seen[0] < MODE_PROBE_ROUNDS
-            probes.append(self.start_k if unmeasured_mode or (probe and _barely_measured(state, sampled))
-                          else 1 if probe else 0)
+            probes.append(0 if not probe else self.start_k if _barely_measured(state, sampled) else 1)
             # A request whose pause is over is a full candidate (the policy
             # may give it drafts again); below, it drafts at least one.
             candidates.append(Candidate(_calibrated(state.acceptance, calibration[sampled]), 0 if paused else limit))
@@ -671,9 +710,10 @@ class AdaptiveController:
         state.backoff = min(state.backoff * 2, PROBE_BACKOFF[1])
 
     def _warmup(self, requests) -> list[int]:
-        """Before the cost model exists: the configured K, with every fourth
-        step plain and the K of the others cycling, so that the fit sees
-        both kinds of step in several shapes."""
+        """Before the cost model or the batch's acceptance exists: the
+        configured K, with every fourth step plain and the K of the others
+        cycling (to the largest, which measures the deep draft positions),
+        so that the fit sees both kinds of step in several shapes."""
         phase = self.step % 4
         if phase == 0:
             return [0] * len(requests)
@@ -707,6 +747,9 @@ class AdaptiveController:
 
     def _refit(self) -> None:
         self._new_samples = 0
+        if (self.seeded and len(self._plain) >= WARMUP_PLAIN_SAMPLES
+                and self._plain_added - self._seed_calibrated_at >= GUARD_MIN_SAMPLES):
+            self._calibrate_seed()
         # Checked before any array is built: until a fit is possible this
         # runs every step.
         if len(self._plain) < WARMUP_PLAIN_SAMPLES or len(self._spec) < WARMUP_SPEC_SAMPLES:

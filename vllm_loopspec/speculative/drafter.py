@@ -629,7 +629,7 @@ class LoopSpecDrafter:
         arm = self._running_arm = choice[3]
         shape = (arm, len(scheduled))
         first = shape not in self._choice_shapes
-        warming_up = arm_kind(arm) == POLICY and self.controller.costs is None
+        warming_up = arm_kind(arm) == POLICY and self.controller.warming_up(choice[1])
         self._choice_shapes.add(shape)
         if not first and not warming_up:
             self._choice_step = (*choice, after, now)
