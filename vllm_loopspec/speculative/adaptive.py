@@ -370,8 +370,8 @@ class AdaptiveController:
     def seed(self, costs: StepCosts) -> None:
         """Step costs to decide with until the engine's own steps are timed
         in enough shapes (:func:`~.policy.seeded_costs`: the model's pieces
-        timed at startup): without them the first steps of an engine would
-        be a warm-up that cycles K whatever the workload (after the sweep's
+        timed at startup): without them the warm-up that cycles K would run
+        until the fit has its samples, whatever the workload (after the sweep's
         warm-up a d1 engine had 2 of its 6 plain and 8 of its 12 round
         samples, ``benchmarks/probes/policy_warmup_samples.py``). The
         measured factors correct the seed where it is off; a fit replaces it

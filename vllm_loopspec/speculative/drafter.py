@@ -202,9 +202,10 @@ class LoopSpecDrafter:
         own pieces, timed here at startup (:func:`~.policy.seeded_costs`):
         one loop of the layer stack and ``lm_head`` over 1, 2, 4, ... rows
         (up to ``max_rows`` and 64), without attention metadata, as
-        :meth:`warm_up` runs the tick. The first steps are then decided by
-        the policy, not a warm-up that cycles K; the engine's own step
-        timings replace the seed once they cover enough shapes."""
+        :meth:`warm_up` runs the tick. The policy then decides as soon as
+        acceptance is measured (its warm-up no longer waits for a cost
+        fit); the engine's own step timings replace the seed once they
+        cover enough shapes."""
         from vllm.distributed import get_pp_group
         from vllm.forward_context import set_forward_context
         from vllm_loopspec.models.ouro import LoopGroup
