@@ -48,6 +48,7 @@ class PartTimer:
         from vllm_loopspec.engine_internals import engine_core, model_runner
 
         self.seconds = dict.fromkeys(PARTS + RUNNER_PARTS + DRAFTER_PARTS + ("runner_execute_model",), 0.0)
+        self.calls: dict[str, list[float]] = {}  # per call of the drafter's parts: its seconds
         core = engine_core(llm)
         engine = llm.llm_engine
         self._wrap(core.scheduler, "schedule", "schedule")
@@ -70,19 +71,25 @@ class PartTimer:
     def _wrap(self, obj, name: str, part: str) -> None:
         original = getattr(obj, name)
         seconds = self.seconds
+        calls = self.calls.setdefault(part, []) if part in DRAFTER_PARTS else None
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
-                seconds[part] += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds[part] += took
+                if calls is not None:
+                    calls.append(took)
 
         setattr(obj, name, timed)
 
     def reset(self) -> None:
         for part in self.seconds:
             self.seconds[part] = 0.0
+        for calls in self.calls.values():
+            calls.clear()
 
 
 def trial(llm, timer: PartTimer, prompts: list[str], new_tokens: int, temperature: float) -> dict:
@@ -108,6 +115,9 @@ def trial(llm, timer: PartTimer, prompts: list[str], new_tokens: int, temperatur
     per_step["step"] = wall / steps * 1e6
     per_step["outside_forward"] = per_step["step"] - per_step["forward"]
     per_step["steps"] = steps
+    for part, calls in timer.calls.items():
+        # The typical call (a held plain step's) against the mean (decision steps included).
+        per_step[f"{part} median call"] = statistics.median(calls) * 1e6 if calls else 0.0
     return per_step
 
 
@@ -145,8 +155,10 @@ def main() -> None:
         for name in (names if rep % 2 == 0 else names[::-1]):
             runs[name].append(trial(engines[name], timers[name], batch, new_tokens, args.temperature))
     keys = ("step", "forward", "outside_forward", *[p for p in PARTS if p != "forward"], "runner_execute_model", *RUNNER_PARTS, *DRAFTER_PARTS)
-    summary = {name: {k: statistics.median(r[k] for r in runs[name]) for k in keys} for name in names}
-    paired = {k: statistics.median(a[k] - b[k] for a, b in zip(runs["auto"], runs["native"])) for k in keys}
+    keys += tuple(k for k in runs["auto"][0] if k.endswith("median call"))
+    summary = {name: {k: statistics.median(r.get(k, 0.0) for r in runs[name]) for k in keys} for name in names}
+    paired = {k: statistics.median(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(runs["auto"], runs["native"]))
+              for k in keys}
     print(f"us per decode step, median over {args.repeats} repeats ({args.setting}, c{args.c}, T{args.temperature}, "
           f"{'learned' if args.learned else 'forced plain'} chooser)")
     print(f"{'part':20s} {'native':>9s} {'auto':>9s} {'auto-native (paired)':>22s}")
