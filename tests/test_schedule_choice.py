@@ -4,6 +4,7 @@ from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, MIN_PAIRS, PAIR_GAP, RATE_WINDOW, SPECULATION_MARGIN, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
+                                                      PLAIN_SWITCH_STEPS, switch_steps,
                                                       ScheduleChoice, ScheduleChooser)
 
 MEASURE = len(ARMS) * MIN_SAMPLES  # steps before the rates decide
@@ -68,15 +69,18 @@ def test_widths_and_mixes_are_measured_apart():
 def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     chooser = ScheduleChooser()
     # The winner's steps are long, the losers' short: their tries' time
-    # budgets come due at once, and the interval between tries decides.
-    seconds = {PLAIN: 0.01, POLICY: 0.1, PIPELINED: 0.01}
+    # budgets come due at once (a plain try has more steps after the switch,
+    # switch_steps, so the pipeline's step is as much longer), and the
+    # interval between tries decides.
+    seconds = {PLAIN: 0.01, POLICY: 0.25,
+               PIPELINED: 0.01 * (PLAIN_SWITCH_STEPS + 1) / (SWITCH_STEPS + 1)}
     rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 400.0}
     made = _run(chooser, 4, GREEDY, rates, MEASURE + 600, seconds)
     retries = [i for i, c in enumerate(made) if c.reason == "retry"]
     assert {made[i].arm for i in retries} == {PLAIN, PIPELINED}
-    # A try of a short arm is SWITCH_STEPS + 1 steps (the first pay the switch).
-    assert all([(c.arm, c.reason) for c in made[i:i + SWITCH_STEPS + 2]]
-               == [(made[i].arm, "retry")] * (SWITCH_STEPS + 1) + [(POLICY, "faster")]
+    # A try of a short arm is switch_steps + 1 steps (the first pay the switch).
+    assert all([(c.arm, c.reason) for c in made[i:i + switch_steps(made[i].arm) + 2]]
+               == [(made[i].arm, "retry")] * (switch_steps(made[i].arm) + 1) + [(POLICY, "faster")]
                for i in retries if made[i - 1].reason != "retry")
     starts = [i for i in retries if made[i - 1].reason != "retry"]
     assert all(made[a].arm != made[b].arm for a, b in zip(starts, starts[1:]))  # in turn
@@ -116,11 +120,11 @@ def test_an_expensive_loser_does_not_hold_back_a_cheap_ones_tries():
     made = _run(chooser, 16, SAMPLED, rates, 2 * MEASURE + 3000, seconds)[2 * MEASURE:]
     assert made[-1] == ScheduleChoice(POLICY, "faster")
     plain_tries = [i for i, c in enumerate(made) if c.arm == PLAIN and c.reason == "retry"]
-    # A try of SWITCH_STEPS + 1 plain steps at least every 1.3 budgets (its
-    # budget: 200 steps; the pipeline's try takes its turn now and then,
-    # every 1300 steps).
-    budget = (SWITCH_STEPS + 1) * 2 / RETRY_TIME_SHARE
-    assert len(plain_tries) >= (SWITCH_STEPS + 1) * 3000 // (1.3 * budget)
+    # A try of PLAIN_SWITCH_STEPS + 1 plain steps at least every 1.3 budgets
+    # (its budget: 467 steps; the pipeline's try takes its turn now and
+    # then, every 1300 steps).
+    budget = (PLAIN_SWITCH_STEPS + 1) * 2 / RETRY_TIME_SHARE
+    assert len(plain_tries) >= (PLAIN_SWITCH_STEPS + 1) * 3000 // (1.3 * budget)
     assert max(b - a for a, b in zip(plain_tries, plain_tries[1:])) <= 1.3 * budget
     spent = sum(seconds[c.arm] for c in made)
     assert 0 < sum(seconds[c.arm] for c in made if c.arm == PIPELINED) <= 1.1 * RETRY_TIME_SHARE * spent
@@ -317,7 +321,7 @@ def test_a_lead_of_long_steps_waits_for_plain_measured_beside_it():
     (MIN_PAIRS pairs): plain's samples at a key may be stale (the burst's
     warm-up left plain slow ones, and 110 ms pipelined steps won on them).
     Plain is measured in one streak after the leader's step, its first
-    SWITCH_STEPS no samples; the pairs then decide, here for plain against
+    PLAIN_SWITCH_STEPS no samples; the pairs then decide, here for plain against
     a narrow lead, faster now than its stale samples said. Once per key:
     pairs gone stale later are left to the tries. A short leader's lead
     decides at once."""
@@ -328,11 +332,11 @@ def test_a_lead_of_long_steps_waits_for_plain_measured_beside_it():
             assert chooser.choose(8, SAMPLED) == ScheduleChoice(leader, "faster")
             continue
         made, after = [], leader
-        for _ in range(SWITCH_STEPS + MIN_PAIRS):
+        for _ in range(PLAIN_SWITCH_STEPS + MIN_PAIRS):
             made.append(chooser.choose(8, SAMPLED))
             chooser.observe(8, SAMPLED, PLAIN, 8 * 1200.0 / 240, 1 / 240, after=after)
             after = PLAIN
-        assert made == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + MIN_PAIRS)
+        assert made == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + MIN_PAIRS)
         key = chooser._keys[(3, SAMPLED, 0)]
         assert len(key.pairs[(leader, PLAIN)]) == MIN_PAIRS
         # The pairs rate plain at 1200: it wins against 1100, not against 1650.
@@ -364,7 +368,7 @@ def test_a_plain_streak_that_makes_no_pairs_ends_at_its_bound():
     while len(made) < 40 and (not made or made[-1].arm == PLAIN):
         made.append(chooser.choose(8, SAMPLED, in_flight=PIPELINED if not made else PLAIN))
         chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005, after=PIPELINED if len(made) == 1 else PLAIN)
-    assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
+    assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
     assert made[-1] == ScheduleChoice(PIPELINED, "faster")
 
 
@@ -441,13 +445,22 @@ def test_the_steps_after_a_switch_of_arm_are_not_samples_unless_long():
     for _ in range(MIN_SAMPLES):
         chooser.observe(4, SAMPLED, PLAIN, 4, 0.005, after=PLAIN)
     chooser.observe(4, SAMPLED, PLAIN, 4, 0.0055, after=PIPELINED)  # pays the switch
-    for _ in range(SWITCH_STEPS - 1):
+    for _ in range(PLAIN_SWITCH_STEPS - 1):
         chooser.observe(4, SAMPLED, PLAIN, 4, 0.0052, after=PLAIN)  # still paying it
-    assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES) and chooser.switch_steps == SWITCH_STEPS
+    assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES) and chooser.switch_steps == PLAIN_SWITCH_STEPS
     chooser.observe(4, SAMPLED, PLAIN, 4, 0.005, after=PLAIN)  # settled: a sample
     assert chooser.rates(4, SAMPLED)[PLAIN] == (200.0, MIN_SAMPLES + 1)
     chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=PLAIN)  # 18 plain steps long: counts
-    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 1 and chooser.switch_steps == SWITCH_STEPS
+    assert chooser.rates(4, SAMPLED)[PIPELINED][1] == 1 and chooser.switch_steps == PLAIN_SWITCH_STEPS
+    # Another short arm's run settles sooner (SWITCH_STEPS): the policy's.
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(4, SAMPLED, POLICY, 4, 0.006, after=POLICY)
+    for _ in range(SWITCH_STEPS):
+        chooser.observe(4, SAMPLED, POLICY, 4, 0.0066, after=PLAIN if _ == 0 else POLICY)
+    assert chooser.rates(4, SAMPLED)[POLICY][1] == MIN_SAMPLES
+    chooser.observe(4, SAMPLED, POLICY, 4, 0.006, after=POLICY)
+    assert chooser.rates(4, SAMPLED)[POLICY][1] == MIN_SAMPLES + 1
+    assert chooser.switch_steps == PLAIN_SWITCH_STEPS + SWITCH_STEPS
     # After a step the chooser did not choose (a prefill): a switch too.
     chooser.observe(4, SAMPLED, PLAIN, 4, 0.0058, after=UNCHOSEN)
     chooser.observe(4, SAMPLED, PIPELINED, 60, 0.090, after=UNCHOSEN)

@@ -37,9 +37,10 @@ follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 long prompts, T=0.8; the model forward itself is slower, and the excess
 fades over three steps), so plain steps measured between speculative ones
 made a pipeline that loses 10% to plain steps look 10% faster. The
-slowdown fades over several steps (:data:`SWITCH_STEPS`), so a short arm's
-first steps after a switch are no samples: short arms are measured in
-streaks, and a short arm's try lasts :data:`SWITCH_STEPS` steps more than
+slowdown fades over several steps (:func:`switch_steps`: six for plain,
+whose steps after a speculative one fade slowest, two for the others), so a
+short arm's first steps after a switch are no samples: short arms are
+measured in streaks, and a short arm's try lasts that many steps more than
 its sample; a long step (:data:`LONG_STEP` times the
 shortest arm's) counts after a switch (a pipelined step after a plain one
 takes as long as one after a pipelined one: the same probe). A step is
@@ -119,6 +120,12 @@ def arms_for_depths(depths) -> tuple[str, ...]:
     return (PLAIN, *(f"{kind}@{d}" for kind in (POLICY, PIPELINED) for d in depths))
 
 
+def switch_steps(arm: str) -> int:
+    """Steps of ``arm`` right after another arm's that are no samples of it
+    (:data:`PLAIN_SWITCH_STEPS` for plain, :data:`SWITCH_STEPS` otherwise)."""
+    return PLAIN_SWITCH_STEPS if arm == PLAIN else SWITCH_STEPS
+
+
 def arm_kind(arm: str) -> str:
     """PLAIN, POLICY or PIPELINED, whatever the arm's depth."""
     return arm.partition("@")[0]
@@ -186,6 +193,16 @@ PLAIN_DOUBT_SAMPLES = 16
 # dropped step lengthens every short arm's measuring streak and try
 # (chooser_ab_one_switch_step*.json, thirty-third session).
 SWITCH_STEPS = 2
+# The plain arm's: its steps right after a speculative one fade slowly. An
+# auto d2 engine at short T=0.8 c4, its plain steps by steps since its last
+# speculative one: 3.67, 3.37, 3.24, 3.11, 3.08, 3.08 ms, then 2.94-3.13 (3.01
+# over 288 settled steps; chooser_samples_trace_d2_c4_t08_short_fortieth.txt).
+# Dropping two, a plain try's sample read plain ~8% slow, and pipelined steps
+# ~5% slower than settled plain ones won sampled c4 keys by the margin
+# (benchmarks/results/findings.md, fortieth session). A plain try is then
+# this many steps and one more: plain steps are the cheap ones, and the try
+# budget (RETRY_TIME_SHARE) counts them all.
+PLAIN_SWITCH_STEPS = 6
 RATE_WINDOW = 8  # an arm's rate: the median of its last this many steps at a key
 BORROWED_STEPS = 3  # steps an arm new to a key takes from an adjacent key's
 # A speculative arm must beat the plain one by this share.
@@ -403,7 +420,7 @@ class ScheduleChooser:
                     key.since_try[loser] = 0
                     key.retries += offset + 1
                     key.trying = loser if _short_try(key, winner, loser) else None
-                    key.try_left = SWITCH_STEPS if key.trying else 0
+                    key.try_left = switch_steps(loser) if key.trying else 0
                     return ScheduleChoice(loser, "retry")
         for arm in self.arms:
             key.since_try[arm] += 1
@@ -456,7 +473,7 @@ class ScheduleChooser:
         self._last_seconds[arm] = seconds
         key = self._key(_where(width, mix, context))
         run = self._run_before(arm, after)
-        if run is not None and run < SWITCH_STEPS and not self._long_step(key, arm, seconds):
+        if run is not None and run < switch_steps(arm) and not self._long_step(key, arm, seconds):
             # The steps after a switch of arm are slower (see the module
             # docstring); a long one carries that as a share of one short step.
             self.switch_steps += 1
@@ -476,10 +493,10 @@ class ScheduleChooser:
         that the chooser did not observe (the policy's warm-up, a held
         span) comes after a settled run."""
         if after is None:
-            self._run = (arm, SWITCH_STEPS)
+            self._run = (arm, switch_steps(arm))
             return None
         last_arm, last_run = self._run
-        run = 0 if after != arm else last_run + 1 if last_arm == arm else SWITCH_STEPS
+        run = 0 if after != arm else last_run + 1 if last_arm == arm else switch_steps(arm)
         self._run = (arm, run)
         return run
 
@@ -672,9 +689,9 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
 def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     """Steps of ``winner`` after which a try of ``loser`` costs at most its
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
-    short arm's try is :data:`SWITCH_STEPS` + 1 steps, all but the last paying the switch."""
+    short arm's try is :func:`switch_steps` + 1 steps, all but the last paying the switch."""
     won, lost = key.arms[winner], key.arms[loser]
-    cost = (SWITCH_STEPS + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
+    cost = (switch_steps(loser) + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
     # Rounded down where the division's rounding could wait one step too many.
