@@ -455,8 +455,8 @@ def test_the_steps_after_a_switch_of_arm_are_not_samples_unless_long():
     # Another short arm's run settles sooner (SWITCH_STEPS): the policy's.
     for _ in range(MIN_SAMPLES):
         chooser.observe(4, SAMPLED, POLICY, 4, 0.006, after=POLICY)
-    for _ in range(SWITCH_STEPS):
-        chooser.observe(4, SAMPLED, POLICY, 4, 0.0066, after=PLAIN if _ == 0 else POLICY)
+    for step in range(SWITCH_STEPS):
+        chooser.observe(4, SAMPLED, POLICY, 4, 0.0066, after=PLAIN if step == 0 else POLICY)
     assert chooser.rates(4, SAMPLED)[POLICY][1] == MIN_SAMPLES
     chooser.observe(4, SAMPLED, POLICY, 4, 0.006, after=POLICY)
     assert chooser.rates(4, SAMPLED)[POLICY][1] == MIN_SAMPLES + 1
@@ -473,7 +473,7 @@ def test_a_pipeline_level_with_settled_plain_steps_leaves_the_steps_to_plain():
     batch's prefill, the first takes 3.5-3.6 ms, the second 3.15, the third
     3.05. Pipelined steps deliver 2% more than settled plain steps, within the
     margin. Sampled from a run's second step on, plain rated 5% low and
-    the pipeline won; from its (SWITCH_STEPS + 1)th, plain keeps the steps."""
+    the pipeline won; from its (SWITCH_STEPS + 1)th (PLAIN_SWITCH_STEPS + 1 now), plain keeps the steps."""
     plain = 0.0030
     extra = [0.00055, 0.00015, 0.00005]
     pipelined_rate = 1.02 / plain

@@ -545,7 +545,7 @@ class ScheduleChooser:
         """Whether to measure plain beside speculative ``winner`` before its
         lead decides (:data:`PLAIN_DOUBT_STEPS`): once per key and winner, in
         one streak begun right after the winner's step (so that plain's
-        samples pair with it; its first SWITCH_STEPS are no samples) and on
+        samples pair with it; its first PLAIN_SWITCH_STEPS are no samples) and on
         until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`."""
         plain, won = key.arms[PLAIN], key.arms[winner]
         if (plain.own >= PLAIN_DOUBT_SAMPLES or len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS
