@@ -598,16 +598,21 @@ def adaptive_section(rec: dict) -> list[str]:
     return lines
 
 
+TWIN_ASSIGNMENTS = 100_000  # twin_within: every assignment up to this many, else a sample of this size
+
+
 def twin_within(raw: dict, arm: str, share: float = 0.95) -> float | None:
     """Probability that an engine identical to ``arm`` would, in this run,
     measure a median tok/s of at least ``share`` of ``arm``'s own: its
     twin's trials are ``arm``'s, each scaled by the ratio of the second
     native engine to the first in one of the repeats (how two engines of
     one computation differ on this host, kv_sweep --native-twice), over
-    every assignment of repeats (5^5 for five). ``arm`` is the best fixed
-    arm of its cell, picked as the largest of many noisy medians, so
-    its twin falls short more often than not: this is what "within 5% of
-    the best fixed (d, K)" can show here. None without both natives."""
+    every assignment of repeats (5^5 for five; beyond TWIN_ASSIGNMENTS of
+    them, that many drawn at random with a fixed seed: 9^9 would not fit in
+    memory). ``arm`` is the best fixed arm of its cell, picked as the
+    largest of many noisy medians, so its twin falls short more often than
+    not: this is what "within 5% of the best fixed (d, K)" can show here.
+    None without both natives."""
     trials, first, second = raw.get(arm), raw.get("native"), raw.get(SECOND_NATIVE)
     if not trials or not first or not second:
         return None
@@ -615,7 +620,11 @@ def twin_within(raw: dict, arm: str, share: float = 0.95) -> float | None:
     spread = np.array([b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(first, second) if a["tokens_per_s"]])
     if not len(spread):
         return None
-    choices = np.stack(np.meshgrid(*[np.arange(len(spread))] * len(rates), indexing="ij"), -1).reshape(-1, len(rates))
+    if len(spread) ** len(rates) <= TWIN_ASSIGNMENTS:
+        choices = np.stack(np.meshgrid(*[np.arange(len(spread))] * len(rates), indexing="ij"),
+                           -1).reshape(-1, len(rates))
+    else:
+        choices = np.random.default_rng(0).integers(len(spread), size=(TWIN_ASSIGNMENTS, len(rates)))
     twins = np.median(rates[None, :] * spread[choices], axis=1)
     return float(np.mean(twins >= share * np.median(rates)))
 

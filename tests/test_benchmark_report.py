@@ -104,6 +104,23 @@ def test_twin_of_the_best_fixed_arm_is_scored_over_every_assignment_of_the_nativ
     assert report.twin_within({"best": trials(1, 2)}, "best") is None
 
 
+def test_twin_of_many_repeats_is_scored_over_a_sample_of_assignments(report):
+    """9 repeats: 9^9 assignments would not fit in memory; a seeded sample
+    of them estimates the same probability."""
+    def trials(*rates):
+        return [{"tokens_per_s": r} for r in rates]
+
+    # One slow repeat in three (90 against 100): the twin's median falls short
+    # when five or more of its nine trials take it.
+    record = {"native": trials(*[100] * 9), "native (second engine)": trials(*[90, 100, 100] * 3),
+              "best": trials(*[200] * 9)}
+    from math import comb
+    exact = sum(comb(9, j) * (1 / 3) ** j * (2 / 3) ** (9 - j) for j in range(5, 10))
+    assert 9 ** 9 > report.TWIN_ASSIGNMENTS
+    assert report.twin_within(record, "best") == pytest.approx(1 - exact, abs=0.01)
+    assert report.twin_within(record, "best") == report.twin_within(record, "best")  # seeded
+
+
 def test_auto_is_also_scored_against_the_native_trial_beside_it(report):
     """kv_sweep --native-beside-auto runs native just before each auto
     trial: the auto arm's ratio to those, paired by repeat, is a column and
