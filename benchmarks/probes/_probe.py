@@ -22,6 +22,23 @@ def load_prompts(name: str) -> list[str]:
     return [json.loads(line)["prompt"] for line in lines if line.strip()]
 
 
+def add_and_prefill(llm, prompts: list[str], new_tokens: int, temperature: float) -> None:
+    """Add one request per prompt (seeded when sampled, no early stop) to
+    ``llm``'s engine and step it until every request has its first token:
+    the decode steps after this are a trial's timed part, as in kv_sweep.py."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    tag = f"t{time.perf_counter_ns()}"
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=new_tokens, temperature=temperature,
+                                                           ignore_eos=True,
+                                                           seed=1000 + i if temperature > 0 else None))
+    produced = set()
+    while len(produced) < len(prompts):
+        produced.update(out.request_id for out in engine.step())
+
+
 def add_sweep_protocol_args(ap) -> None:
     """The arguments of the probes that replay kv_sweep.py's protocol
     (its cells, widths and repeats) with "auto" engines of several d."""

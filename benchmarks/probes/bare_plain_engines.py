@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _probe  # noqa: E402,F401  (environment before vLLM)
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts  # noqa: E402
+from _probe import CHECKPOINT, ENGINE_ARGS, add_and_prefill, load_prompts  # noqa: E402
 
 
 THIN_WRAPPERS = ("_prepare_inputs", "_build_attention_metadata", "_model_forward", "_update_states",
@@ -85,18 +85,8 @@ def bypass_runner_hooks(runner) -> None:
 
 def trial(llm, prompts: list[str], new_tokens: int, temperature: float) -> float:
     """Microseconds per decode step."""
-    from vllm import SamplingParams
-
     engine = llm.llm_engine
-    tag = f"t{time.perf_counter_ns()}"
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=new_tokens, temperature=temperature,
-                                                           ignore_eos=True,
-                                                           seed=1000 + i if temperature > 0 else None))
-    produced = {}
-    while len(produced) < len(prompts):
-        for out in engine.step():
-            produced[out.request_id] = 1
+    add_and_prefill(llm, prompts, new_tokens, temperature)
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _probe  # noqa: E402,F401  (environment before vLLM)
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts  # noqa: E402
+from _probe import CHECKPOINT, ENGINE_ARGS, add_and_prefill, load_prompts  # noqa: E402
 
 PARTS = ("schedule", "execute_model", "forward", "sample_tokens", "update_from_output", "post_step",
          "process_outputs", "record_stats")
@@ -93,18 +93,8 @@ class PartTimer:
 
 
 def trial(llm, timer: PartTimer, prompts: list[str], new_tokens: int, temperature: float) -> dict:
-    from vllm import SamplingParams
-
     engine = llm.llm_engine
-    tag = f"t{time.perf_counter_ns()}"
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=new_tokens, temperature=temperature,
-                                                           ignore_eos=True,
-                                                           seed=1000 + i if temperature > 0 else None))
-    produced = {}
-    while len(produced) < len(prompts):
-        for out in engine.step():
-            produced[out.request_id] = 1
+    add_and_prefill(llm, prompts, new_tokens, temperature)
     timer.reset()
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
