@@ -18,7 +18,7 @@ turn, order reversed each repeat; per engine and part the median over
 repeats of microseconds per decode step.
 
     python benchmarks/probes/plain_step_outside.py [--repeats N] [--c 4] [--temperature 0.8]
-        [--setting short] [--learned] [--out FILE]
+        [--setting short] [--learned] [--bare] [--out FILE]
 """
 import argparse
 import json
@@ -118,6 +118,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--setting", choices=["short", "long"], default="short")
     ap.add_argument("--learned", action="store_true", help="the committed chooser, not forced plain")
+    ap.add_argument("--bare", action="store_true",
+                    help="the auto engine's hooks bypassed and no post_step hand-over (bare_plain_engines.py's "
+                         "bare_core): what vLLM's speculative engine itself costs, part by part")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -135,6 +138,12 @@ def main() -> None:
     if not args.learned:
         chooser = model_runner(engines["auto"]).drafter.chooser
         chooser.choose = types.MethodType(choose_plain, chooser)
+    if args.bare:
+        from bare_plain_engines import bypass_runner_hooks
+        from vllm_loopspec.engine_internals import engine_core
+
+        bypass_runner_hooks(model_runner(engines["auto"]))
+        engine_core(engines["auto"]).use_spec_decode = False
     timers = {name: PartTimer(llm) for name, llm in engines.items()}
     names = list(engines)
     for name in names:
@@ -150,7 +159,7 @@ def main() -> None:
     paired = {k: statistics.median(a.get(k, 0.0) - b.get(k, 0.0) for a, b in zip(runs["auto"], runs["native"]))
               for k in keys}
     print(f"us per decode step, median over {args.repeats} repeats ({args.setting}, c{args.c}, T{args.temperature}, "
-          f"{'learned' if args.learned else 'forced plain'} chooser)")
+          f"{'learned' if args.learned else 'forced plain'} chooser{', hooks bypassed' if args.bare else ''})")
     print(f"{'part':20s} {'native':>9s} {'auto':>9s} {'auto-native (paired)':>22s}")
     for k in keys:
         print(f"{k:20s} {summary['native'][k]:9.1f} {summary['auto'][k]:9.1f} {paired[k]:22.1f}")
