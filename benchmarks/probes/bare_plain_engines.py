@@ -26,7 +26,7 @@ over repeats of microseconds per decode step, and each engine's median
 paired ratio of native's step to its own.
 
     python benchmarks/probes/bare_plain_engines.py [--repeats N] [--c 4 8] [--temperature 0.8]
-        [--setting short] [--out FILE]
+        [--setting short] [--engines auto thin_off bare_runner bare_core] [--out FILE]
 """
 import argparse
 import json
@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--c", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--setting", choices=["short", "long"], default="short")
+    ap.add_argument("--engines", nargs="+", default=["auto", "thin_off", "bare_runner", "bare_core"],
+                    help="the loopspec engines to build beside native (fewer: a smaller process)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -112,14 +114,16 @@ def main() -> None:
     new_tokens = 128 if args.setting == "short" else 192
     spec = {"method": "loopspec", "draft_loops": 1, "schedule": "auto"}
     engines = {"native": LLM(CHECKPOINT, **ENGINE_ARGS)}
-    for name in ("auto", "thin_off", "bare_runner", "bare_core"):
+    for name in args.engines:
         engines[name] = LLM(CHECKPOINT, speculative_config=spec, **ENGINE_ARGS)
         chooser = model_runner(engines[name]).drafter.chooser
         chooser.choose = types.MethodType(choose_plain, chooser)
-    bypass_thin_wrappers(model_runner(engines["thin_off"]))
-    for name in ("bare_runner", "bare_core"):
-        bypass_runner_hooks(model_runner(engines[name]))
-    engine_core(engines["bare_core"]).use_spec_decode = False
+        if name == "thin_off":
+            bypass_thin_wrappers(model_runner(engines[name]))
+        elif name in ("bare_runner", "bare_core"):
+            bypass_runner_hooks(model_runner(engines[name]))
+        if name == "bare_core":
+            engine_core(engines[name]).use_spec_decode = False
     names = list(engines)
     results = {}
     for c in args.c:
