@@ -242,68 +242,6 @@ def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_
     assert all(timed == steps - 1 and (seconds > 0) == (timed > 0) for steps, timed, seconds in credited), credited
 
 
-def test_lean_held_steps_keep_the_general_paths_bookkeeping(loopspec_llms, prompts, native_reference):
-    """Held plain steps in a hold's middle run the lean path
-    (start_held_step / continue_hold) and leave what the general path
-    (step_started / propose / step_finished) leaves: the same choices asked
-    at the same steps, the same held spans credited (steps, timed steps),
-    the same skipped counts and plain steps timed for the policy; the
-    output is native's."""
-    from vllm_loopspec.speculative.schedule_choice import PLAIN, ScheduleChoice
-
-    llm = engine(loopspec_llms, AUTO)
-    drafter = model_runner(llm).drafter
-    chooser, core = drafter.chooser, llm.llm_engine
-    budgets = {"first": 30, "second": 13}  # the batch narrows inside a hold: the hold ends there
-    start_held_step = drafter.start_held_step
-
-    def run(lean: bool) -> dict:
-        calls, credited, timed_plain, lean_steps, step = [], [], [], [0], [0]
-
-        def start(scheduler_output):
-            began = start_held_step(scheduler_output)
-            lean_steps[0] += began
-            return began
-
-        def observe_step(ticks, *args, **kwargs):
-            timed_plain.append((step[0], ticks))
-
-        chooser.choose = lambda width, *a, **k: calls.append((step[0], width)) or ScheduleChoice(PLAIN, "faster",
-                                                                                                  hold=7)
-        chooser.credit_held = lambda steps, timed=0, seconds=0.0: credited.append((step[0], steps, timed))
-        drafter.start_held_step = start if lean else (lambda scheduler_output: False)
-        for controller in drafter.controllers.values():
-            controller.observe_step = observe_step
-        # Both runs from one state: no hold left by an earlier batch, the
-        # plain arm's step count (which plain steps are timed) at one phase.
-        drafter._hold_left = drafter._held_steps = drafter._held_started = drafter._plain_arm_steps = 0
-        drafter._next_held, drafter._next_choice, drafter._choice_step = False, None, None
-        skipped = dict(drafter.stats.skipped)
-        try:
-            for i, (req_id, budget) in enumerate(budgets.items()):
-                core.add_request(req_id, prompts[i], SamplingParams(max_tokens=budget, temperature=0,
-                                                                     ignore_eos=True))
-            while core.has_unfinished_requests():
-                for out in core.step():
-                    if out.finished:
-                        i = int(out.request_id == "second")
-                        expected = native_reference[(prompts[i], budgets[out.request_id])]
-                        assert list(out.outputs[0].token_ids) == expected
-                step[0] += 1
-        finally:
-            del chooser.choose, chooser.credit_held, drafter.start_held_step
-            for controller in drafter.controllers.values():
-                del controller.observe_step
-        skipped = {reason: n - skipped.get(reason, 0) for reason, n in drafter.stats.skipped.items()}
-        return dict(calls=calls, credited=credited, timed_plain=timed_plain, lean=lean_steps[0],
-                    skipped={r: n for r, n in skipped.items() if n}, plain_steps=drafter._plain_arm_steps)
-
-    general, lean = run(False), run(True)
-    assert general.pop("lean") == 0 and lean.pop("lean") > 10
-    assert lean == general, (lean, general)
-    assert general["credited"] and general["timed_plain"]
-
-
 def test_each_step_may_speculate_at_another_depth(loopspec_llms, prompts, native_reference):
     """"draft_loops": [1, 2]: the arms of both depths in turn, step after
     step (rounds and pipelined steps at depth 1 and 2, plain steps between):

@@ -17,9 +17,6 @@ rotated each repeat), every step plain:
   and the async-only ``_update_states``, ``_bookkeeping_sync``,
   ``_copy_draft_token_ids_to_cpu``) bound to vLLM's own: the drafter's hooks
   still run;
-* ``no_lean``: ``auto`` with the lean held step off (every held step
-  through ``step_started`` / ``propose`` / ``step_finished``, as before the
-  forty-second session);
 * ``bare_core``: ``bare_runner`` plus ``EngineCore.use_spec_decode`` off, so
   ``post_step`` asks for no draft hand-over: what is left is vLLM's
   scheduler and runner built for a speculative config.
@@ -29,7 +26,7 @@ over repeats of microseconds per decode step, and each engine's median
 paired ratio of native's step to its own.
 
     python benchmarks/probes/bare_plain_engines.py [--repeats N] [--c 4 8] [--temperature 0.8]
-        [--setting short] [--engines auto no_lean thin_off bare_runner bare_core] [--out FILE]
+        [--setting short] [--engines auto thin_off bare_runner bare_core] [--out FILE]
 """
 import argparse
 import json
@@ -121,9 +118,7 @@ def main() -> None:
         engines[name] = LLM(CHECKPOINT, speculative_config=spec, **ENGINE_ARGS)
         chooser = model_runner(engines[name]).drafter.chooser
         chooser.choose = types.MethodType(choose_plain, chooser)
-        if name == "no_lean":
-            model_runner(engines[name]).drafter.start_held_step = lambda scheduler_output: False
-        elif name == "thin_off":
+        if name == "thin_off":
             bypass_thin_wrappers(model_runner(engines[name]))
         elif name in ("bare_runner", "bare_core"):
             bypass_runner_hooks(model_runner(engines[name]))

@@ -9,7 +9,8 @@ T=0.8, c4, 128 tokens, order rotated each repeat: ``auto`` as committed,
 at all, ``bare_plain_engines.bypass_runner_hooks``). Each ``engine.step()``
 is timed whole (scheduler, runner, output handling), and the loopspec
 engines' steps are told apart by what ran in them: ``lean`` (a held step
-on the lean path, where the runner has one: ``_loopspec_lean``), ``timed``
+on the lean path, where the runner has one: ``_loopspec_lean``, built and
+reverted in the forty-second session, ``0113a8b``), ``timed``
 (timed for the adaptive policy's cost model), ``chosen`` (the chooser
 asked), ``other``. Median and mean microseconds per kind.
 

@@ -394,52 +394,6 @@ class LoopSpecDrafter:
         self.stats.skipped[SKIP_MEASURED] += self._hold_width
         return True
 
-    # -- a held plain step, lean -------------------------------------------------
-    # Most steps of a settled plain verdict are held steps in the middle of
-    # a hold: nothing to decide, observe or time. step_started, propose and
-    # step_finished would only reach that conclusion through their general
-    # branches, and between a model forward and vLLM's step that code runs
-    # cold: ~12 us of a 3 ms CPU step (benchmarks/results/findings.md,
-    # fortieth and forty-first sessions), where vLLM's own step is all a
-    # native engine runs. These two methods are those steps' whole share.
-    def start_held_step(self, scheduler_output) -> bool:
-        """Begin the next step as a held plain step in a hold's middle, doing
-        what :meth:`step_started` does for one; False (nothing done) where
-        the step needs the general path: a chosen step's observation is
-        pending, requests arrive (the held span's timing ends), the plain
-        arm's step is one of those timed (:data:`TIME_UNDER_CAP_EVERY`), or
-        a pipelined step's logits are still set."""
-        if (not self._next_held or self._choice_step is not None or scheduler_output.scheduled_new_reqs
-                or scheduler_output.scheduled_spec_decode_tokens
-                or (self._plain_arm_steps + 1) % TIME_UNDER_CAP_EVERY == 0
-                or self.model.precomputed_logits is not None):
-            return False
-        now = time.perf_counter()
-        self._next_held = False
-        self._running_arm = self.step_arm = PLAIN
-        self.step_drafts = 0
-        self._step_pipelined = False
-        self._step_scheduled = scheduled = scheduler_output.num_scheduled_tokens
-        self._plain_arm_steps += 1
-        self._step_shape = self._step_end = None
-        if not self._held_started:
-            self._held_first = now
-        self._held_last = now
-        self._held_started += 1
-        if self._hold_left and (len(scheduled) != self._hold_width
-                                or scheduler_output.total_num_scheduled_tokens != self._hold_width):
-            self._hold_left = 0  # the batch changed: the step after this one is chosen
-        return True
-
-    def continue_hold(self) -> bool:
-        """After a held step begun by :meth:`start_held_step`: whether the
-        next step is held too (then nothing is proposed); False: the hold is
-        over, and :meth:`propose` decides the next step."""
-        if not self._take_held_step():
-            return False
-        self.proposed_drafts = False
-        return True
-
     def note_committed(self, counts: torch.Tensor) -> None:
         """Async: tokens each row of this step committed (accepted drafts +
         1; 0 for a partial prefill chunk), still on the device."""

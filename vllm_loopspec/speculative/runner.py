@@ -13,9 +13,7 @@ runner keeps only what vLLM offers no other way into:
 * ``execute_model`` / ``sample_tokens``: time each step for the adaptive
   policy (:meth:`LoopSpecDrafter.step_started`), and run a step without
   drafts as a non-speculative runner would (``speculative_config`` set
-  aside for the step); a held plain step in the middle of the "auto"
-  chooser's hold calls only :meth:`LoopSpecDrafter.start_held_step` and
-  :meth:`LoopSpecDrafter.continue_hold`;
+  aside for the step);
 * under async scheduling: ``execute_model`` trims vLLM's uniform
   placeholder drafts to each request's ``K_i``, ``_update_states`` keeps the
   scheduler's draft count, ``_bookkeeping_sync`` hands over each row's
@@ -64,7 +62,6 @@ class LoopSpecRunnerMixin:
         self._loopspec_common = None
         self._loopspec_config = self.speculative_config  # set aside for plain steps (_execute_plain_step)
         self._loopspec_plain_output = None  # a plain step's scheduler output, until sample_tokens
-        self._loopspec_lean = False  # whether the running step is a lean held one (execute_model)
         skip_accepted_counts_sync(self)  # patch 16
         options = self.drafter.options
         logger.info("loopspec: draft loops %s, K %s%s, async scheduling %s", options.draft_loops,
@@ -73,11 +70,6 @@ class LoopSpecRunnerMixin:
                     "on" if self.use_async_scheduling else "off")
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        # A held plain step in a hold's middle: the drafter's whole share is
-        # start_held_step here and continue_hold after sampling.
-        self._loopspec_lean = not self.use_async_scheduling and self.drafter.start_held_step(scheduler_output)
-        if self._loopspec_lean:
-            return self._execute_plain_step(scheduler_output, *args, **kwargs)
         if scheduler_output.scheduled_spec_decode_tokens:
             if self.drafter.runs_plain_instead(scheduler_output):
                 scheduler_output = self._trim_to_chosen_drafts(scheduler_output, {}, not_drafted=True)
@@ -126,9 +118,6 @@ class LoopSpecRunnerMixin:
         # names the requests for take_draft_token_ids); a proposal without
         # drafts (the next step plain too: a hold, the width cap) names
         # none, so take_draft_token_ids hands nothing over.
-        if self._loopspec_lean and self.drafter.continue_hold():
-            self._draft_token_ids = self._draft_token_req_ids = None
-            return out
         drafts = self.drafter.propose(out.sampled_token_ids)
         if self.drafter.proposed_drafts or self.use_async_scheduling:
             self._draft_token_ids = drafts
@@ -235,8 +224,7 @@ class LoopSpecRunnerMixin:
             out = self._sample_plain_step(plain, *args, **kwargs)
         else:
             out = super().sample_tokens(*args, **kwargs)
-        if not self._loopspec_lean:  # a lean held step is never timed
-            self.drafter.step_finished()
+        self.drafter.step_finished()
         return out
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
