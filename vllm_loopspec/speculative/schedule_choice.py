@@ -35,13 +35,13 @@ follows a step of another arm (:meth:`ScheduleChooser.observe`'s
 ``after``): the first plain step after a pipelined one runs 15-20% slower
 (``benchmarks/probes/arm_rates_forced.py``: 5.5 against 4.7 ms at width 4,
 long prompts, T=0.8; the model forward itself is slower, and the excess
-fades over three steps), so plain steps measured between speculative ones
-made a pipeline that loses 10% to plain steps look 10% faster. The
-slowdown fades over several steps (:func:`switch_steps`: six for plain,
-whose steps after a speculative one fade slowest, two for the others), so a
-short arm's first steps after a switch are no samples: short arms are
-measured in streaks, and a short arm's try lasts that many steps more than
-its sample; a long step (:data:`LONG_STEP` times the
+fades over three steps there; a later trace at short T=0.8 c4 saw plain's
+fade last six), so plain steps measured between speculative ones
+made a pipeline that loses 10% to plain steps look 10% faster. So the
+steps right after a switch (:func:`switch_steps`: six for plain,
+whose steps after a speculative one fade slowest, two for the others) are
+no samples: short arms are measured in streaks, and a short arm's try
+lasts that many steps more than its sample; a long step (:data:`LONG_STEP` times the
 shortest arm's) counts after a switch (a pipelined step after a plain one
 takes as long as one after a pipelined one: the same probe). A step is
 observed when the next one starts, so a long arm's step in flight is not
