@@ -88,3 +88,14 @@ def median_ms(samples, spec: bool, tokens: int | None = None):
 
     ms = [s * 1e3 for is_spec, n, s in samples if is_spec == spec and (tokens is None or n == tokens)]
     return (round(float(np.median(ms)), 2) if ms else None), len(ms)
+
+
+def run_lengths(arms) -> str:
+    """``plainx12, pipelinedx3, ...``: consecutive steps of one arm counted."""
+    out = []
+    for arm in arms:
+        if out and out[-1][0] == arm:
+            out[-1][1] += 1
+        else:
+            out.append([arm, 1])
+    return ", ".join(f"{arm}x{n}" for arm, n in out)

@@ -6,13 +6,16 @@ of five repeats. Alternating trials on the same prompts: the fixed
 pipelined engine, auto forced to pipelined steps (the chooser still runs
 and learns; its choice is overridden), and auto choosing.
 
-    python benchmarks/probes/auto_vs_pipelined.py [width] [temperature] [reps] [draft_loops]
+    python benchmarks/probes/auto_vs_pipelined.py [width] [temperature] [reps] [draft_loops] [short|long]
+
+With ``long`` (the sweep's long setting: long prompts, 192 tokens) a native
+engine runs too, and each chosen trial's arms are printed in order.
 """
 import statistics
 import sys
 import time
 
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
+from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts, run_lengths
 
 
 def main():
@@ -24,7 +27,9 @@ def main():
     temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     d = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    prompts = load_prompts("mixed")
+    setting = sys.argv[5] if len(sys.argv) > 5 else "short"
+    prompts = load_prompts("long" if setting == "long" else "mixed")
+    tokens = 192 if setting == "long" else 128
     auto = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                **ENGINE_ARGS)
     # The pipelined arm auto runs: K = max_speculative_tokens (16), d2 = 2d below R.
@@ -43,19 +48,35 @@ def main():
         return ScheduleChoice(PIPELINED, "measure") if forced["on"] else chosen
 
     chooser.choose = forced_choose
-    params = SamplingParams(max_tokens=128, temperature=temperature, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True)
     seconds = {"pipelined": [], "auto forced": [], "auto chosen": []}
+    native = None
+    if setting == "long":
+        native = LLM(CHECKPOINT, **ENGINE_ARGS)
+        seconds["native"] = []
+    drafter = model_runner(auto).drafter
+    started, arms = drafter.step_started, []
+
+    def logged_started(scheduler_output):
+        started(scheduler_output)
+        arms.append(drafter.step_arm)
+
+    drafter.step_started = logged_started
     for rep in range(reps):
         batch = [prompts[(rep * width + i) % len(prompts)] for i in range(width)]
         for name, times in seconds.items():
             forced["on"] = name == "auto forced"
+            engine = {"pipelined": pipelined, "native": native}.get(name, auto)
+            first = len(arms)
             start = time.perf_counter()
-            (pipelined if name == "pipelined" else auto).generate(batch, params, use_tqdm=False)
+            engine.generate(batch, params, use_tqdm=False)
             times.append(time.perf_counter() - start)
+            if name == "auto chosen" and native is not None:
+                print(f"rep {rep} chosen arms:", run_lengths(arms[first:]), flush=True)
     print(f"width {width}, T={temperature}, d{d}, fixed {fixed}; trial seconds, median after the first:")
     for name, times in seconds.items():
         print(f"  {name:12s} {statistics.median(times[1:]):.3f}  {[round(t, 3) for t in times]}")
-    for name in ("auto forced", "auto chosen"):
+    for name in ("auto forced", "auto chosen", "native")[:3 if native else 2]:
         ratios = [p / a for a, p in zip(seconds[name][1:], seconds["pipelined"][1:])]
         print(f"  {name} speed / pipelined, paired by trial: median {statistics.median(ratios):.3f} "
               f"({min(ratios):.3f}-{max(ratios):.3f})")

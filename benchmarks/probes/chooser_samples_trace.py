@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts
+from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts, run_lengths
 
 
 def main() -> None:
@@ -89,9 +89,13 @@ def main() -> None:
         start = time.perf_counter()
         native.generate(batch, params, use_tqdm=False)
         tn = time.perf_counter() - start
+        decisions, first = dict(chooser.decisions), len(auto_steps)
         start = time.perf_counter()
         auto.generate(batch, params, use_tqdm=False)
         print(f"rep {rep}: auto over native {tn / (time.perf_counter() - start):.3f}")
+        print("    decisions:", {k: v - decisions.get(k, 0) for k, v in chooser.decisions.items()
+                                  if v != decisions.get(k, 0)})
+        print("    arms in order (run lengths):", run_lengths(arm for arm, _ in auto_steps[first:]))
     # Plain steps of the auto engine by how many steps came since its last
     # speculative (or other) step: does a switch's slowdown fade in SWITCH_STEPS?
     since = collections.defaultdict(list)
