@@ -59,8 +59,8 @@ def main() -> None:
     def logged_started(scheduler_output):
         started(scheduler_output)
         n = len(scheduler_output.num_scheduled_tokens)
-        decode = (not scheduler_output.scheduled_new_reqs and n > 0
-                  and scheduler_output.total_num_scheduled_tokens == n)
+        # A chosen decode step's arm (speculative steps schedule drafts too); else "other".
+        decode = not scheduler_output.scheduled_new_reqs and n > 0 and drafter.step_arm is not None
         auto_steps.append((drafter.step_arm if decode else "other", time.perf_counter()))
 
     drafter.step_started = logged_started
