@@ -642,6 +642,36 @@ def test_pairs_made_before_the_text_turned_hard_do_not_keep_a_slowed_winner(monk
     assert ScheduleChoice(PIPELINED, "faster") not in made[:30]
 
 
+def test_pairs_are_anchored_on_a_rate_of_the_keys_own_steps(monkeypatch):
+    """Greedy width 8, as a long-prompt batch met it after the short
+    prompts' cells: every arm borrowed at its first context bucket, then
+    one policy step there (slow: the text is not the short prompts') and
+    plain steps right after it (three pairs: plain 1.07x the policy). The
+    policy's window is still mostly its borrowed steps (390). Anchored on
+    it, the pairs rated plain 417 and plain beat the pipeline's 253 (its
+    borrowed steps, moved with plain's own); anchored on plain's own rate,
+    the policy rates 215 and the pipeline wins
+    (``sweep_replay_trace_d2_fortythird.txt``)."""
+    def run(anchor_on_own_steps):
+        if not anchor_on_own_steps:
+            monkeypatch.setattr(schedule_choice, "_rests_on_own_steps", lambda rate: True)
+        chooser = ScheduleChooser()
+        for arm, rate, seconds in ((PLAIN, 300.0, 0.004), (POLICY, 390.0, 0.02), (PIPELINED, 330.0, 0.06)):
+            for _ in range(MIN_SAMPLES):
+                chooser.observe(8, GREEDY, arm, 8 * rate * seconds, seconds, context=150)
+        chooser.choose(8, GREEDY, context=300)  # the next context bucket borrows every arm
+        chooser.observe(8, GREEDY, POLICY, 8 * 215.0 * 0.02, 0.02, context=300)
+        for _ in range(MIN_PAIRS):
+            chooser.observe(8, GREEDY, PLAIN, 8 * 230.0 * 0.004, 0.004, context=300)
+        rates = chooser.rates(8, GREEDY, 300)
+        assert rates[POLICY][0] == 390.0 and rates[PLAIN] == (230.0, MIN_PAIRS)
+        assert abs(rates[PIPELINED][0] - 330.0 * 230 / 300) < 1e-6
+        return chooser.choose(8, GREEDY, context=300)
+
+    assert run(anchor_on_own_steps=True) == ScheduleChoice(PIPELINED, "faster")
+    assert run(anchor_on_own_steps=False).arm == PLAIN
+
+
 def test_steps_that_committed_nothing_leave_the_pairs_alone():
     chooser = ScheduleChooser()
     _pairs_of(chooser, 1, GREEDY, (POLICY, (500.0, 0.01)), (PLAIN, (400.0, 0.003)), MIN_SAMPLES)

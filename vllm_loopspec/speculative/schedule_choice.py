@@ -75,7 +75,8 @@ speed drifts by tens of percent over seconds, and a loser's window holds
 its tries, spread over minutes, while the winner's holds its last steps. So
 a sample and the last sample of another arm a few steps before it
 (:data:`PAIR_GAP`) make a pair, whose ratio of rates sees one speed; where
-an arm has :data:`MIN_PAIRS` pairs with the leader by rate, it is rated by
+an arm has :data:`MIN_PAIRS` pairs with the leader by rate (of the arms
+rated from the key's own steps, not borrowed ones), it is rated by
 their median ratio to the leader (:func:`_best`). A try is then compared
 with the winner's steps around it. Pairs hold only while the workload
 does: an arm whose rate moved by :data:`PAIRS_STALE` since its last pair
@@ -717,6 +718,12 @@ def _measured(key: _Key, arm: str) -> bool:
     return rate.rate < CLEAR_LOSS * best.rate and rate.step_seconds > 2 * best.step_seconds
 
 
+def _rests_on_own_steps(rate: _ArmRate) -> bool:
+    """Whether most of an arm's window is steps of its own key, not ones
+    borrowed from an adjacent key (:meth:`_ArmRate.borrow`)."""
+    return 2 * min(rate.own, len(rate.recent)) > len(rate.recent)
+
+
 def _long_loser(key: _Key, arm: str) -> bool:
     """Whether ``arm`` has steps at ``key``, their median over
     :data:`LONG_STEP` times plain's there, and rates below :data:`LONG_LOSER_BORROW` of plain's
@@ -740,13 +747,22 @@ def _winner(key: _Key) -> str:
 def _best(key: _Key, arms) -> str:
     """The arm of ``arms`` with the best rate (a speculative one must beat
     plain by the margin), where an arm with :data:`MIN_PAIRS` pairs with
-    the leader by rate is rated from them: the leader's rate times their
-    median ratio."""
+    the leader is rated from them: the leader's rate times their median
+    ratio. The leader is the arm with the best rate of those rated from
+    this key's own steps (:func:`_rests_on_own_steps`), if any: a pair
+    says how two arms compare, and a rate borrowed from another context
+    bucket, anchoring it, passes its error to every arm paired with it. At
+    long greedy c8 (d2) a policy arm borrowed from the short prompts' bucket
+    (387 tokens/s per request) anchored plain's pairs with it (1.07x):
+    plain rated 414 against its own 230, and beat a pipeline at 252 for the
+    66 plain steps of every repeat's first context bucket, at 0.91-0.96x
+    the fixed pipeline (``sweep_replay_trace_d2_fortythird.txt``)."""
     def margin(arm: str) -> float:
         return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
 
     arms = list(arms)
-    leader = max(arms, key=lambda arm: key.arms[arm].rate * margin(arm))
+    anchors = [arm for arm in arms if _rests_on_own_steps(key.arms[arm])] or arms
+    leader = max(anchors, key=lambda arm: key.arms[arm].rate * margin(arm))
     rated = {}
     for arm in arms:
         pairs = key.pairs.get((arm, leader)) if arm != leader else None
