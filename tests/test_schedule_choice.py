@@ -1,5 +1,8 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
+import math
+from collections import deque
+
 from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
 from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
@@ -596,7 +599,7 @@ def test_pairs_of_adjacent_steps_outweigh_windows_measured_at_other_speeds():
         for _ in range(n):
             chooser.observe(4, GREEDY, arm, 4 * rate * seconds, seconds)
 
-    steps(PIPELINED, 210.0, 0.04, MIN_SAMPLES)  # in a slow spell
+    steps(PIPELINED, 280.0, 0.04, MIN_SAMPLES)  # in a slow spell (1.5x: within PAIRS_AGREE)
     steps(POLICY, 100.0, 0.02, MIN_SAMPLES + 1)
     steps(PLAIN, 300.0, 0.01, 2 * MIN_SAMPLES)  # at full speed
     assert chooser.choose(4, GREEDY).arm == PLAIN  # no pair of pipelined and plain steps yet
@@ -623,6 +626,8 @@ def test_pairs_made_before_the_text_turned_hard_do_not_keep_a_slowed_winner(monk
     since the pairs: they are dropped and the rates decide within half a
     window (the pairs kept it "faster" for 30 steps in the twenty-ninth
     session, until a pipelined try was due)."""
+    monkeypatch.setattr(schedule_choice, "PAIRS_AGREE", float("inf"))  # this rule alone
+
     def run(stale):
         monkeypatch.setattr(schedule_choice, "PAIRS_STALE", stale)
         chooser = ScheduleChooser()
@@ -652,6 +657,8 @@ def test_pairs_are_anchored_on_a_rate_of_the_keys_own_steps(monkeypatch):
     borrowed steps, moved with plain's own); anchored on plain's own rate,
     the policy rates 215 and the pipeline wins
     (``sweep_replay_trace_d2_fortythird.txt``)."""
+    monkeypatch.setattr(schedule_choice, "PAIRS_AGREE", float("inf"))  # this rule alone
+
     def run(anchor_on_own_steps):
         if not anchor_on_own_steps:
             monkeypatch.setattr(schedule_choice, "_rests_on_own_steps", lambda rate: True)
@@ -670,6 +677,36 @@ def test_pairs_are_anchored_on_a_rate_of_the_keys_own_steps(monkeypatch):
 
     assert run(anchor_on_own_steps=True) == ScheduleChoice(PIPELINED, "faster")
     assert run(anchor_on_own_steps=False).arm == PLAIN
+
+
+def test_pairs_that_disagree_with_an_arms_own_rate_beyond_the_drift_do_not_rate_it(monkeypatch):
+    """Greedy width 1, as traced at short c1 (d1): the policy's rounds
+    declined on hard text, so its own steps run at plain's 387 tokens/s;
+    its pairs with the pipeline (732) mix three made on easy text (1.21x)
+    with two made since (0.62x), and their median rated it 886. The
+    rating is 2.3x its own rate, past the machine's drift
+    (:data:`~vllm_loopspec.speculative.schedule_choice.PAIRS_AGREE`): the own rate
+    decides and the pipeline runs (it ran the policy's declined rounds for
+    45 steps, ``sweep_replay_trace_d1_c1_fortyfourth.txt``). A pairs rating
+    within the drift still decides."""
+    def best(pairs_ratio=None, policy_rate=387.0, agree=schedule_choice.PAIRS_AGREE):
+        monkeypatch.setattr(schedule_choice, "PAIRS_AGREE", agree)
+        chooser = ScheduleChooser()
+        for arm, rate, seconds in ((PLAIN, 381.0, 0.0026), (POLICY, policy_rate, 0.0026), (PIPELINED, 732.0, 0.02)):
+            for _ in range(RATE_WINDOW):
+                chooser.observe(1, GREEDY, arm, rate * seconds, seconds)
+        (key,) = chooser._keys.values()
+        ratios = [1.21] * 3 + [0.62] * 2 if pairs_ratio is None else [pairs_ratio] * MIN_PAIRS
+        key.pairs = {(POLICY, PIPELINED): deque(math.log(r) for r in ratios),
+                     (PIPELINED, POLICY): deque(-math.log(r) for r in ratios)}
+        return schedule_choice._winner(key)
+
+    assert best() == PIPELINED
+    assert best(agree=float("inf")) == POLICY
+    # Within the drift the pairs still overrule the own rate: 1.1 of 732
+    # (805) against an own 600, which alone loses to the pipeline.
+    assert best(pairs_ratio=1.1, policy_rate=600.0) == POLICY
+    assert best(pairs_ratio=0.9, policy_rate=600.0) == PIPELINED
 
 
 def test_steps_that_committed_nothing_leave_the_pairs_alone():

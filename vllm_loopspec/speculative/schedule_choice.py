@@ -81,7 +81,8 @@ their median ratio to the leader (:func:`_best`). A try is then compared
 with the winner's steps around it. Pairs hold only while the workload
 does: an arm whose rate moved by :data:`PAIRS_STALE` since its last pair
 with another drops their pairs (a greedy request's text turning hard cuts
-the policy arm's rate 3x). A plain
+the policy arm's rate 3x), and rate an arm only where they agree with its
+own rate within the machine's drift (:data:`PAIRS_AGREE`). A plain
 winner's verdict says how many steps no try can be due in
 (:attr:`ScheduleChoice.hold`): the engine runs them plain without asking,
 while its batch stays the same, and credits them (:meth:`credit_held`),
@@ -245,6 +246,19 @@ MIN_PAIRS = 3  # pairs before they overrule the rates
 # 30 steps at a third of its old rate, until a pipelined try was due
 # (``benchmarks/results/findings.md``, twenty-ninth and thirtieth sessions).
 PAIRS_STALE = 2.0
+# Pairs rate an arm only while that rating agrees with the arm's own rate
+# (its window) within this factor: the full span of the machine's drift
+# between steps measured apart (0.77-1.34x, above). A rating further off is pairs and an
+# anchor from two regimes: the median of pairs made on easy and on hard
+# text, or pairs made now times a leader's window still full of its steps
+# on the previous prompts. Traced at short greedy c1, d1
+# (``sweep_replay_trace_d1_c1_fortyfourth.txt``): a policy arm at its own
+# 263-395 tokens/s (its rounds declined on hard text) rated 820 by its
+# pairs with the pipeline (732) and ran 45 steps at plain's speed; plain at
+# its own 359 rated 975 by pairs with a policy window (965) from the last
+# prompt, and held 32 steps. PAIRS_STALE cannot see either: the arm's rate
+# moved little since its last pair.
+PAIRS_AGREE = 1.75
 
 
 @dataclass
@@ -748,7 +762,8 @@ def _best(key: _Key, arms) -> str:
     """The arm of ``arms`` with the best rate (a speculative one must beat
     plain by the margin), where an arm with :data:`MIN_PAIRS` pairs with
     the leader is rated from them: the leader's rate times their median
-    ratio. The leader is the arm with the best rate of those rated from
+    ratio, where that agrees with the arm's own rate (:data:`PAIRS_AGREE`).
+    The leader is the arm with the best rate of those rated from
     this key's own steps (:func:`_rests_on_own_steps`), if any: a pair
     says how two arms compare, and a rate borrowed from another context
     bucket, anchoring it, passes its error to every arm paired with it. At
@@ -766,8 +781,10 @@ def _best(key: _Key, arms) -> str:
     rated = {}
     for arm in arms:
         pairs = key.pairs.get((arm, leader)) if arm != leader else None
+        own = key.arms[arm].rate
+        rated[arm] = own
         if pairs is not None and len(pairs) >= MIN_PAIRS:
-            rated[arm] = key.arms[leader].rate * math.exp(statistics.median(pairs))
-        else:
-            rated[arm] = key.arms[arm].rate
+            paired = key.arms[leader].rate * math.exp(statistics.median(pairs))
+            if own <= 0 or own / PAIRS_AGREE <= paired <= own * PAIRS_AGREE:
+                rated[arm] = paired
     return max(arms, key=lambda arm: rated[arm] * margin(arm))
