@@ -15,7 +15,9 @@ full width, and what the drain factor would have made of the same steps
 under a step cost with a fixed share ``alpha`` (``alpha`` 0: cost in
 proportion to the width, as :func:`.batch_drain.drain_factor` assumes; 1:
 every step costs the same whatever its width). Plain steps (width 1 and
-the full width) give the fixed share this engine measures.
+the full width) give the fixed share this engine measures. For
+``policy+pipelined`` (rounds at the full width, pipelined steps once rows
+finish), "time at full width" counts the rounds' steps only.
 
     python benchmarks/probes/drain_tail.py --width 16 --temperature 0 --prompts mixed --repeats 4
 """
@@ -57,6 +59,7 @@ def main() -> None:
 
     from loopspec_decode import decode_trial
     from vllm_loopspec.engine_internals import model_runner
+    from vllm_loopspec.speculative.batch_drain import PRIOR_STEPS
     from vllm_loopspec.speculative.schedule_choice import ScheduleChoice
 
     native = LLM(CHECKPOINT, **ENGINE_ARGS)
@@ -76,10 +79,11 @@ def main() -> None:
 
     def recording_rate_factor(arm, req_ids, committed, remaining):
         out = rate_factor(arm, req_ids, committed, remaining)
-        totals = drain._totals
-        mean = sum(committed) / max(len(committed), 1)
-        paces = [(totals[r][arm][0] + 2.0 * mean) / (totals[r][arm][1] + 2.0) for r in req_ids]
-        drains.append((paces, list(remaining), out, list(committed)))
+        if len(req_ids) > 1:  # one row: no paces counted (the factor is 1)
+            # The paces rate_factor just used, as DrainPaces computes them.
+            totals, mean = drain._totals, sum(committed) / len(committed)
+            paces = [(totals[r][arm][0] + PRIOR_STEPS * mean) / (totals[r][arm][1] + PRIOR_STEPS) for r in req_ids]
+            drains.append((paces, list(remaining), out, list(committed)))
         return out
 
     def recording_observe(width, mix, arm, committed, seconds, context=0, after=None, **kwargs):
