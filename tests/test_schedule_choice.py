@@ -1,6 +1,8 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
 import math
+
+import pytest
 from collections import deque
 
 from vllm_loopspec.speculative import schedule_choice
@@ -740,3 +742,36 @@ def test_with_several_depths_each_arm_at_each_depth_is_measured_and_the_fastest_
     assert [c.arm for c in later if c.reason == "faster"] == ["policy@2"] * sum(c.reason == "faster" for c in later)
     assert {c.arm for c in later if c.reason == "retry"} == set(arms) - {"policy@2"}
     assert ScheduleChoice("pipelined@2", "faster").pipelined
+
+
+def _spreading_rounds(lag):
+    """A chooser that met width 1 (a row alone at best 500 tokens/s: 2 ms a
+    token), then 200 steps at width 16 where the policy's rounds commit the
+    most tokens per request but add ``lag`` tokens of lag each; the arms
+    chosen there, and the chooser."""
+    chooser = ScheduleChooser()
+    _run(chooser, 1, GREEDY, {PLAIN: 400.0, POLICY: 450.0, PIPELINED: 500.0}, 3 * MEASURE)
+    rates = {PLAIN: 200.0, POLICY: 290.0, PIPELINED: 250.0}
+    seconds = {PLAIN: 0.005, POLICY: 0.03, PIPELINED: 0.06}
+    made = []
+    for _ in range(200):
+        arm = chooser.choose(16, GREEDY).arm
+        made.append(arm)
+        chooser.observe(16, GREEDY, arm, rates[arm] * seconds[arm] * 16, seconds[arm],
+                        lag=lag if arm == POLICY else 0.0)
+    return made, chooser
+
+
+def test_a_round_that_spreads_its_batch_is_charged_its_lag_at_one_rows_cost():
+    # Without lag the rounds win; each adding 5 tokens of lag, their tokens
+    # cost 5 x (2 ms - the step's 0.22 ms a token) more: the pipeline wins.
+    made, _ = _spreading_rounds(0.0)
+    assert made[-100:].count(POLICY) > 90
+    made, chooser = _spreading_rounds(5.0)
+    assert made[-100:].count(PIPELINED) > 80 and made[-100:].count(POLICY) < 5  # the rest: plain tries
+    per_token = 0.03 / (290.0 * 0.03 * 16)
+    charge = 5.0 * (1 / 500.0 - per_token) / 0.03
+    assert chooser.rates(16, GREEDY)[POLICY][0] == pytest.approx(290.0 / (1 + charge))
+    # Rounds that narrow the spread are credited, up to LAG_CREDIT.
+    _, chooser = _spreading_rounds(-1000.0)
+    assert chooser.rates(16, GREEDY)[POLICY][0] == pytest.approx(290.0 / (1 - schedule_choice.LAG_CREDIT))

@@ -13,9 +13,9 @@ steps, and its choices are only as good as that fit where the batch runs; a
 pipelined step's cost depends on its restarts (how often a first proposal is
 replaced at verification), which depends on the requests in flight. Every
 arm delivers committed tokens, so the rates compare directly (a
-speculative step's tokens scaled by how evenly its arm drains the batch,
-:mod:`.batch_drain`: rounds advance rows by their own acceptance and may
-leave one to decode alone); each step is
+speculative step charged for the lag it adds to its batch, each token of it
+at one row's cost, :mod:`.batch_drain`: rounds advance rows by their own
+acceptance and may leave one to decode alone); each step is
 timed from its start to the next step's start (scheduler and output
 handling included). The plain arm makes "never slower than native" a
 measured floor: where the policy's rounds lose to plain steps, the steps are
@@ -259,6 +259,12 @@ PAIRS_STALE = 2.0
 # prompt, and held 32 steps. PAIRS_STALE cannot see either: the arm's rate
 # moved little since its last pair.
 PAIRS_AGREE = 1.75
+# A speculative step's lag (:mod:`.batch_drain`) is charged as the mean of
+# its arm's last RATE_WINDOW charges at the key, each the seconds its added
+# lag costs later over the step's own: lag comes in lumps (a row that
+# rejects early in one round of eight), which a median of steps would not
+# see. A step that narrowed the spread takes back at most this share.
+LAG_CREDIT = 0.5
 
 
 @dataclass
@@ -325,6 +331,7 @@ class _Key:
     paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
     doubted: set = field(default_factory=set)  # winners plain was measured beside (PLAIN_DOUBT_STEPS)
     doubting: str | None = None  # the winner of a plain streak under way
+    lag_charges: dict = field(default_factory=dict)  # per speculative arm: its last steps' lag charges (LAG_CREDIT)
 
 
 @dataclass
@@ -468,12 +475,15 @@ class ScheduleChooser:
             self._pair(key, self._last_where, PLAIN, timed / seconds)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
-                after: str | None = None, declined: bool = False) -> None:
+                after: str | None = None, declined: bool = False, lag: float = 0.0) -> None:
         """A decode step of ``width`` requests of mean length ``context``:
         its arm, the tokens it committed and the seconds from its start to
         the next step's start; ``after``: the arm of the step before it
         (:data:`UNCHOSEN`: a step the chooser did not choose; None: not
-        known, the step counts as one after a settled run of its arm).
+        known, the step counts as one after a settled run of its arm);
+        ``lag``: tokens of lag it added to its batch
+        (:func:`~.batch_drain.lag_growth`), charged at one row's cost
+        (:meth:`_lag_charge`).
 
         ``declined``: a step of the policy arm that drafted nothing, a plain
         step (with the policy's planning): a sample of both arms, paired
@@ -487,6 +497,7 @@ class ScheduleChooser:
             return
         self._last_seconds[arm] = seconds
         key = self._key(_where(width, mix, context))
+        charge = 0.0 if declined else self._lag_charge(key, arm, width, mix, context, committed, seconds, lag)
         run = self._run_before(arm, after)
         if run is not None and run < switch_steps(arm) and not self._long_step(key, arm, seconds):
             # The steps after a switch of arm are slower (see the module
@@ -496,10 +507,38 @@ class ScheduleChooser:
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
-        per_request = committed / max(int(width), 1)
+        per_request = committed / max(int(width), 1) / (1.0 + charge)
         for observed_arm in (arm, PLAIN) if declined and arm != PLAIN else (arm,):
             self._update(key, observed_arm, per_request, seconds)
             self._pair(key, _where(width, mix, context), observed_arm, per_request / seconds)
+
+    def _lag_charge(self, key: _Key, arm: str, width: int, mix: int, context: int, committed: int,
+                    seconds: float, lag: float) -> float:
+        """The share of its seconds by which a step of speculative ``arm``
+        is charged for lag: the seconds the ``lag`` tokens it added cost
+        later, decoded by a row alone (:meth:`_one_row_seconds`), less what
+        they cost in this step; the mean over the arm's last steps here
+        (:data:`LAG_CREDIT`). Measured for every step of the arm, settled or
+        not: the lag a step adds does not fade with a switch."""
+        if arm_kind(arm) == PLAIN or width < 2 or committed <= 0:
+            return 0.0
+        extra = lag * max(self._one_row_seconds(key, mix, context) - seconds / committed, 0.0)
+        charges = key.lag_charges.setdefault(arm, deque(maxlen=RATE_WINDOW))
+        charges.append(extra / seconds)
+        return max(statistics.fmean(charges), -LAG_CREDIT)
+
+    def _one_row_seconds(self, key: _Key, mix: int, context: int) -> float:
+        """Seconds per token of a row decoding alone: the best rate of any
+        arm at width 1 (this mix, this context bucket or an adjacent one),
+        as the tail of a batch runs; else a plain step's seconds at ``key``
+        (one row's token costs less than a whole step: the bound above)."""
+        alone, _, bucket = _where(1, mix, context)
+        for near in (bucket, bucket + 1, bucket - 1):
+            narrow = self._keys.get((alone, mix, near))
+            best = max((r.rate for r in narrow.arms.values() if r.samples), default=0.0) if narrow else 0.0
+            if best > 0:
+                return 1.0 / best
+        return key.arms[PLAIN].step_seconds
 
     def _run_before(self, arm: str, after: str | None) -> int | None:
         """Steps of ``arm`` in a row before this observed one; None where
