@@ -7,7 +7,7 @@ from collections import deque
 
 from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
-from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
+from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, CLOSE_LOSER_BOOST, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, MIN_PAIRS, PAIR_GAP, RATE_WINDOW, SPECULATION_MARGIN, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
                                                       PLAIN_SWITCH_STEPS, switch_steps,
                                                       ScheduleChoice, ScheduleChooser)
@@ -108,6 +108,29 @@ def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
     spent = sum(seconds[c.arm] for c in made)
     tried = sum(seconds[c.arm] for c in made if c.arm == PIPELINED)
     assert 0 < tried <= 1.1 * RETRY_TIME_SHARE * spent
+
+
+def test_a_close_long_loser_is_tried_more_often_for_the_same_loss():
+    """Under a plain winner at a wide key, a pipelined arm 10% behind is
+    tried some three times as often as one 31% behind (the tries of each lose
+    about as much), and within CLOSE_LOSER_BOOST times its share: with the
+    plain share, a close lead measured once as a loss was tried every ~1000
+    plain steps (long greedy c16, d2: findings, forty-fifth session)."""
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.075}
+
+    def tried_share(pipelined_rate):
+        chooser = ScheduleChooser()
+        rates = {PLAIN: 1000.0, POLICY: 500.0, PIPELINED: pipelined_rate}
+        made = _run(chooser, 16, GREEDY, rates, 20000, seconds)[MEASURE:]
+        assert {c.arm for c in made if c.reason == "faster"} == {PLAIN}
+        spent = sum(seconds[c.arm] for c in made)
+        return sum(seconds[c.arm] for c in made if c.arm == PIPELINED and c.reason == "retry") / spent
+
+    close, far = tried_share(900.0), tried_share(690.0)
+    share = RETRY_TIME_SHARE / 2
+    assert 0.8 * share <= far <= 1.1 * share
+    assert 2.4 * share <= close <= 1.1 * CLOSE_LOSER_BOOST * share
+    assert close * 0.10 <= 1.1 * far * 0.31  # the same loss, or less
 
 
 def test_an_expensive_loser_does_not_hold_back_a_cheap_ones_tries():

@@ -68,7 +68,8 @@ that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
 the try to cost at most its share of :data:`RETRY_TIME_SHARE` of the
 time (each loser has a budget of its own: an expensive loser waiting for its
-budget does not hold back a cheap one's try).
+budget does not hold back a cheap one's try; a long loser close to the
+winner has a larger one, :data:`CLOSE_LOSER_BOOST`).
 
 Rates measured at different times do not compare well: this machine's
 speed drifts by tens of percent over seconds, and a loser's window holds
@@ -223,6 +224,21 @@ RETRY_BACKOFF = (8, 64)
 # to pair it with, at 0.93x native (short T=0.8 c16, d2: findings,
 # thirty-first session).
 RETRY_TIME_SHARE = 0.03
+# A long loser's share, where it is close: a try loses the winner's rate
+# times its time only by the loser's shortfall, and a long arm is rated
+# from two or three steps, each off by the machine's drift (0.77-1.34x,
+# :data:`PAIR_GAP`). A loser short of the winner by this share or more
+# takes its share of RETRY_TIME_SHARE; a closer one as many times more as
+# keep its tries' loss the same, up to CLOSE_LOSER_BOOST times. Under a
+# plain winner at width 16, a pipelined step costs some fifteen plain
+# ones, and with the plain share its try was due every ~1000 plain steps:
+# at long greedy c16, d2, a first pipelined measurement that lost to plain
+# held the key plain for seven repeats of the sweep, at 0.83-1.01x native,
+# where the run before ran rounds and pipelined steps at 0.96-1.19x
+# (benchmarks/results/findings.md, forty-fifth session). Not for short tries (a few steps of a cheap arm),
+# whose settling steps slow the winner's next steps beyond their own time.
+CLOSE_LOSER_SHORTFALL = 0.3
+CLOSE_LOSER_BOOST = 4.0
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
 # token a step, and a verdict is kept no further than this from where it was made.
@@ -743,13 +759,31 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
 def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     """Steps of ``winner`` after which a try of ``loser`` costs at most its
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
-    short arm's try is :func:`switch_steps` + 1 steps, all but the last paying the switch."""
+    short arm's try is :func:`switch_steps` + 1 steps, all but the last paying the switch;
+    a close long loser's share is larger (:func:`_close_loser_boost`)."""
     won, lost = key.arms[winner], key.arms[loser]
-    cost = (switch_steps(loser) + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
+    short = _short_try(key, winner, loser)
+    cost = (switch_steps(loser) + 1 if short else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
+    share = RETRY_TIME_SHARE / losers * (1.0 if short else _close_loser_boost(key, winner, loser))
     # Rounded down where the division's rounding could wait one step too many.
-    return math.ceil(cost * losers / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
+    return math.ceil(cost / share / won.step_seconds * (1 - 1e-9))
+
+
+def _close_loser_boost(key: _Key, winner: str, loser: str) -> float:
+    """How many times its share of :data:`RETRY_TIME_SHARE` a long loser's
+    tries may take: as many as keep what they lose against the winner,
+    time times the loser's shortfall, at what a loser short by
+    :data:`CLOSE_LOSER_SHORTFALL` loses with its plain share, up to
+    :data:`CLOSE_LOSER_BOOST`."""
+    rated = _ratings(key, key.arms)
+    if rated[winner] <= 0:
+        return 1.0
+    shortfall = 1.0 - rated[loser] / rated[winner]
+    if shortfall <= CLOSE_LOSER_SHORTFALL / CLOSE_LOSER_BOOST:
+        return CLOSE_LOSER_BOOST
+    return max(1.0, CLOSE_LOSER_SHORTFALL / shortfall)
 
 
 def _short_try(key: _Key, winner: str, loser: str) -> bool:
@@ -811,12 +845,21 @@ def _best(key: _Key, arms) -> str:
     plain rated 414 against its own 230, and beat a pipeline at 252 for the
     66 plain steps of every repeat's first context bucket, at 0.91-0.96x
     the fixed pipeline (``sweep_replay_trace_d2_fortythird.txt``)."""
-    def margin(arm: str) -> float:
-        return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
+    rated = _ratings(key, arms)
+    return max(rated, key=lambda arm: rated[arm] * _margin(arm))
 
+
+def _margin(arm: str) -> float:
+    return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
+
+
+def _ratings(key: _Key, arms) -> dict[str, float]:
+    """Per arm of ``arms``: its rate, or where it has :data:`MIN_PAIRS`
+    pairs with the leader that agree with it, the rate they give (see
+    :func:`_best`)."""
     arms = list(arms)
     anchors = [arm for arm in arms if _rests_on_own_steps(key.arms[arm])] or arms
-    leader = max(anchors, key=lambda arm: key.arms[arm].rate * margin(arm))
+    leader = max(anchors, key=lambda arm: key.arms[arm].rate * _margin(arm))
     rated = {}
     for arm in arms:
         pairs = key.pairs.get((arm, leader)) if arm != leader else None
@@ -826,4 +869,4 @@ def _best(key: _Key, arms) -> str:
             paired = key.arms[leader].rate * math.exp(statistics.median(pairs))
             if own <= 0 or own / PAIRS_AGREE <= paired <= own * PAIRS_AGREE:
                 rated[arm] = paired
-    return max(arms, key=lambda arm: rated[arm] * margin(arm))
+    return rated
