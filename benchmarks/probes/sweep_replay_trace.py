@@ -64,8 +64,13 @@ def main() -> None:
         leader = max(key.arms, key=lambda a: key.arms[a].rate)
         pairs = {arm: f"{math.exp(statistics.median(p)):.2f}({len(p)})"
                  for (arm, other), p in key.pairs.items() if other == leader and p}
+        # A lag charge's state, where the chooser keeps one (a rule tried in
+        # the forty-fifth and forty-sixth sessions): per arm, the mean of its
+        # last charges at the key and how many.
+        charges = {arm[:4]: f"{statistics.fmean(c):+.2f}({len(c)})"
+                   for arm, c in getattr(key, "lag_charges", {}).items() if c}
         log.append(f"{choice.arm[:4]}/{choice.reason[:4]} hold {choice.hold} key {where[0]},{where[2]} "
-                   f"rates {rates} pairs vs {leader[:4]} {pairs}")
+                   f"rates {rates} pairs vs {leader[:4]} {pairs}" + (f" lag {charges}" if charges else ""))
         return choice
 
     chooser.choose = logged_choose
