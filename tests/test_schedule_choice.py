@@ -1,11 +1,13 @@
 """``"schedule": "auto"``'s chooser on synthetic measurements (no engine)."""
 
 import math
+
+import pytest
 from collections import deque
 
 from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
-from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
+from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, CLOSE_LOSER_BOOST, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, MIN_PAIRS, PAIR_GAP, RATE_WINDOW, SPECULATION_MARGIN, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
                                                       PLAIN_SWITCH_STEPS, switch_steps,
                                                       ScheduleChoice, ScheduleChooser)
@@ -106,6 +108,29 @@ def test_an_expensive_loser_is_tried_within_a_small_share_of_the_time():
     spent = sum(seconds[c.arm] for c in made)
     tried = sum(seconds[c.arm] for c in made if c.arm == PIPELINED)
     assert 0 < tried <= 1.1 * RETRY_TIME_SHARE * spent
+
+
+def test_a_close_long_loser_is_tried_more_often_for_the_same_loss():
+    """Under a plain winner at a wide key, a pipelined arm 10% behind is
+    tried some three times as often as one 31% behind (the tries of each lose
+    about as much), and within CLOSE_LOSER_BOOST times its share: with the
+    plain share, a close lead measured once as a loss was tried every ~1000
+    plain steps (long greedy c16, d2: findings, forty-fifth session)."""
+    seconds = {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.075}
+
+    def tried_share(pipelined_rate):
+        chooser = ScheduleChooser()
+        rates = {PLAIN: 1000.0, POLICY: 500.0, PIPELINED: pipelined_rate}
+        made = _run(chooser, 16, GREEDY, rates, 20000, seconds)[MEASURE:]
+        assert {c.arm for c in made if c.reason == "faster"} == {PLAIN}
+        spent = sum(seconds[c.arm] for c in made)
+        return sum(seconds[c.arm] for c in made if c.arm == PIPELINED and c.reason == "retry") / spent
+
+    close, far = tried_share(900.0), tried_share(690.0)
+    share = RETRY_TIME_SHARE / 2
+    assert 0.8 * share <= far <= 1.1 * share
+    assert 2.4 * share <= close <= 1.1 * CLOSE_LOSER_BOOST * share
+    assert close * 0.10 <= 1.1 * far * 0.31  # the same loss, or less
 
 
 def test_an_expensive_loser_does_not_hold_back_a_cheap_ones_tries():
@@ -740,3 +765,36 @@ def test_with_several_depths_each_arm_at_each_depth_is_measured_and_the_fastest_
     assert [c.arm for c in later if c.reason == "faster"] == ["policy@2"] * sum(c.reason == "faster" for c in later)
     assert {c.arm for c in later if c.reason == "retry"} == set(arms) - {"policy@2"}
     assert ScheduleChoice("pipelined@2", "faster").pipelined
+
+
+def _spreading_rounds(lag):
+    """A chooser that met width 1 (a row alone at best 500 tokens/s: 2 ms a
+    token), then 200 steps at width 16 where the policy's rounds commit the
+    most tokens per request but add ``lag`` tokens of lag each; the arms
+    chosen there, and the chooser."""
+    chooser = ScheduleChooser()
+    _run(chooser, 1, GREEDY, {PLAIN: 400.0, POLICY: 450.0, PIPELINED: 500.0}, 3 * MEASURE)
+    rates = {PLAIN: 200.0, POLICY: 290.0, PIPELINED: 250.0}
+    seconds = {PLAIN: 0.005, POLICY: 0.03, PIPELINED: 0.06}
+    made = []
+    for _ in range(200):
+        arm = chooser.choose(16, GREEDY).arm
+        made.append(arm)
+        chooser.observe(16, GREEDY, arm, rates[arm] * seconds[arm] * 16, seconds[arm],
+                        lag=lag if arm == POLICY else 0.0)
+    return made, chooser
+
+
+def test_a_round_that_spreads_its_batch_is_charged_its_lag_at_one_rows_cost():
+    # Without lag the rounds win; each adding 5 tokens of lag, their tokens
+    # cost 5 x (2 ms - the step's 0.22 ms a token) more: the pipeline wins.
+    made, _ = _spreading_rounds(0.0)
+    assert made[-100:].count(POLICY) > 90
+    made, chooser = _spreading_rounds(5.0)
+    assert made[-100:].count(PIPELINED) > 80 and made[-100:].count(POLICY) < 5  # the rest: plain tries
+    per_token = 0.03 / (290.0 * 0.03 * 16)
+    charge = 5.0 * (1 / 500.0 - per_token) / 0.03
+    assert chooser.rates(16, GREEDY)[POLICY][0] == pytest.approx(290.0 / (1 + charge))
+    # Rounds that narrow the spread are credited, up to LAG_CREDIT.
+    _, chooser = _spreading_rounds(-1000.0)
+    assert chooser.rates(16, GREEDY)[POLICY][0] == pytest.approx(290.0 / (1 - schedule_choice.LAG_CREDIT))

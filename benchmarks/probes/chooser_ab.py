@@ -119,10 +119,12 @@ def choose_one_switch_step(self, key, where, in_flight):
     return _with_rule_constant("SWITCH_STEPS", 1, lambda: type(self)._choose(self, key, where, in_flight))
 
 
-def rate_factor_one(self, arm, req_ids, committed, remaining):
-    """``DrainPaces.rate_factor`` before the chooser rated a step by how
-    evenly it drains its batch (thirty-fifth session): the step's mean."""
-    return 1.0
+def lag_charge_none(self, key, arm, width, mix, context, committed, seconds, lag):
+    """``_lag_charge`` off: a speculative step rated at its committed tokens,
+    as before the chooser charged the lag a step adds to its batch
+    (forty-fifth session; the thirty-fifth to forty-fourth rated it by
+    the rows' paces, ``DrainPaces``, since removed)."""
+    return 0.0
 
 
 def choose_without_plain_doubt(self, key, where, in_flight):
@@ -145,7 +147,7 @@ def choose_plain_after_learning(self, width, mix, context=0, in_flight=None):
 
 
 # rule -> the chooser methods it replaces on the "old" engines' choosers
-# ("drain." names: the drafter's DrainPaces)
+# ("owner.method" names: an attribute of the drafter's)
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
              "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
              "pairs_stale": [("_update", update_keeping_stale_pairs)],
@@ -155,7 +157,7 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "one_try_budget": [("_choose", choose_one_try_budget)],
              "declined_as_policy": [("observe", observe_declined_as_policy)],
              "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)],
-             "no_drain": [("drain.rate_factor", rate_factor_one)],
+             "no_lag_charge": [("_lag_charge", lag_charge_none)],
              "no_plain_doubt": [("_choose", choose_without_plain_doubt)]}
 
 

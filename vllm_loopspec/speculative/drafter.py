@@ -30,7 +30,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_loopspec.speculative.adaptive import SKIP_MEASURED, SKIP_WIDTH_CAP, AdaptiveController, sampling_mix
-from vllm_loopspec.speculative.batch_drain import DrainPaces
+from vllm_loopspec.speculative.batch_drain import lag_growth
 from vllm_loopspec.speculative.options import ADDITIONAL_CONFIG_KEY, LoopSpecOptions
 from vllm_loopspec.speculative.pipeline import (Entry, GreedyDecider, Pass, PipelineOutput, PipelineSchedule,
                                                  SampledDecider, run_pipelined)
@@ -117,7 +117,8 @@ class LoopSpecDrafter:
         self._step_width: int | None = None  # requests of a decode-only step
         self._step_context = 0  # the step's rows' lengths, summed
         self._step_committed: int | None = None  # tokens the step committed (propose)
-        self._step_rated: float | None = None  # ... scaled by how evenly they drain the batch (the chooser's)
+        self._step_rated: float | None = None  # ... as the chooser is fed them (None: not a chosen step)
+        self._step_lag = 0.0  # tokens of lag the step added to its batch (:mod:`.batch_drain`)
         self._step_scheduled: dict[str, int] = {}  # tokens scheduled per request this step
         # Async scheduling: K_i chosen for the next step (the runner trims
         # vLLM's uniform placeholder drafts to them), and each step's
@@ -133,7 +134,6 @@ class LoopSpecDrafter:
         # measured rate (:mod:`.schedule_choice`). _next_pipelined: whether
         # the next step pipelines; _step_pipelined: the running step's.
         self.chooser = ScheduleChooser(arms_for_depths(self.options.depths)) if self.options.schedule == "auto" else None
-        self.drain = DrainPaces()  # each request's pace per arm, for the chooser's rates (:mod:`.batch_drain`)
         self._next_pipelined = self._step_pipelined = self.options.schedule == "pipelined"
         # (width, mix, context, arm, declined) of the next step; declined: a
         # step of the policy arm that drafts nothing (a plain step).
@@ -250,10 +250,10 @@ class LoopSpecDrafter:
         self._count_acceptance(sampled_token_ids)
         self._step_committed = sum(map(len, sampled_token_ids))
         if self.chooser is not None:
-            self._step_rated = self._step_committed
+            self._step_rated, self._step_lag = self._step_committed, 0.0
             if self.step_drafts and self.step_arm is not None and arm_kind(self.step_arm) != PLAIN:
-                self._step_rated = self._drain_rated(self.step_arm, self.runner.input_batch.req_ids,
-                                                     list(map(len, sampled_token_ids)))
+                self._step_lag = self._lag_added(self.step_arm, self.runner.input_batch.req_ids,
+                                                 list(map(len, sampled_token_ids)))
         if self._take_held_step():
             self.proposed_drafts = False
             return [[]] * len(sampled_token_ids)
@@ -411,8 +411,9 @@ class LoopSpecDrafter:
         if self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
             width, mix, context, arm, declined, after, seconds = self._choice_timed
-            rated = self._drain_rated(PLAIN if declined else arm, committed.req_ids, counts)
-            self.chooser.observe(width, mix, arm, rated, seconds, context, after=after, declined=declined)
+            lag = self._lag_added(PLAIN if declined else arm, committed.req_ids, counts)
+            self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after, declined=declined,
+                                 lag=lag)
             self._choice_timed = None
         if committed.num_drafts is None:
             return
@@ -421,22 +422,19 @@ class LoopSpecDrafter:
                 self._count_row(committed.req_ids[row], committed.sampled[row], int(k), max(counts[row] - 1, 0),
                                 committed.controller)
 
-    def _drain_rated(self, arm: str | None, req_ids: list[str], counts: list[int]) -> float:
-        """A step's committed tokens as the chooser rates them: times how
-        evenly its arm drains the batch (:mod:`.batch_drain`; rows that
-        committed nothing, partial prefill chunks, are left out). A plain
-        step's rows keep pace, and so do those of a step of another arm
-        that drafted nothing (the policy's plain decision): the caller
-        passes PLAIN for it, or (synchronous steps) does not call."""
-        committed = sum(counts)
+    def _lag_added(self, arm: str | None, req_ids: list[str], counts: list[int]) -> float:
+        """Tokens of lag a step of ``arm`` added to its batch, for the
+        chooser to charge (:mod:`.batch_drain`; rows that committed
+        nothing, partial prefill chunks, are left out). None from plain
+        steps, whose rows keep pace, nor from a step of another arm that
+        drafted nothing (the policy's plain decision): the caller passes
+        PLAIN for it, or (synchronous steps) does not call."""
         if arm is None or arm_kind(arm) == PLAIN:
-            return committed
+            return 0.0
         rows = [(req_id, n) for req_id, n in zip(req_ids, counts) if n]  # zip: req_ids may run longer
-        self.drain.forget(req_ids)
-        factor = self.drain.rate_factor(arm, [r for r, _ in rows], [n for _, n in rows],
-                                        # Async: a request that finished since is gone (none left).
-                                        [self._remaining(r) if r in self.runner.requests else 0 for r, _ in rows])
-        return committed * factor
+        # Async: a request that finished since is gone (none left).
+        return lag_growth([n for _, n in rows],
+                          [self._remaining(r) if r in self.runner.requests else 0 for r, _ in rows])
 
     def _adapt(self, limits: list[int | None], sampled: np.ndarray) -> list[int | None]:
         """The adaptive policy's ``K_i`` within each request's limit;
@@ -595,7 +593,7 @@ class LoopSpecDrafter:
                 self._choice_timed = (width, mix, context, arm, declined, after, now - start)
             elif self._step_rated is not None:
                 self.chooser.observe(width, mix, arm, self._step_rated, now - start, context, after=after,
-                                     declined=declined)
+                                     declined=declined, lag=self._step_lag)
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
         after, self._running_arm = self._running_arm, PLAIN if held else UNCHOSEN

@@ -13,9 +13,9 @@ steps, and its choices are only as good as that fit where the batch runs; a
 pipelined step's cost depends on its restarts (how often a first proposal is
 replaced at verification), which depends on the requests in flight. Every
 arm delivers committed tokens, so the rates compare directly (a
-speculative step's tokens scaled by how evenly its arm drains the batch,
-:mod:`.batch_drain`: rounds advance rows by their own acceptance and may
-leave one to decode alone); each step is
+speculative step charged for the lag it adds to its batch, each token of it
+at one row's cost, :mod:`.batch_drain`: rounds advance rows by their own
+acceptance and may leave one to decode alone); each step is
 timed from its start to the next step's start (scheduler and output
 handling included). The plain arm makes "never slower than native" a
 measured floor: where the policy's rounds lose to plain steps, the steps are
@@ -68,7 +68,8 @@ that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
 the try to cost at most its share of :data:`RETRY_TIME_SHARE` of the
 time (each loser has a budget of its own: an expensive loser waiting for its
-budget does not hold back a cheap one's try).
+budget does not hold back a cheap one's try; a long loser close to the
+winner has a larger one, :data:`CLOSE_LOSER_BOOST`).
 
 Rates measured at different times do not compare well: this machine's
 speed drifts by tens of percent over seconds, and a loser's window holds
@@ -223,6 +224,21 @@ RETRY_BACKOFF = (8, 64)
 # to pair it with, at 0.93x native (short T=0.8 c16, d2: findings,
 # thirty-first session).
 RETRY_TIME_SHARE = 0.03
+# A long loser's share, where it is close: a try loses the winner's rate
+# times its time only by the loser's shortfall, and a long arm is rated
+# from two or three steps, each off by the machine's drift (0.77-1.34x,
+# :data:`PAIR_GAP`). A loser short of the winner by this share or more
+# takes its share of RETRY_TIME_SHARE; a closer one as many times more as
+# keep its tries' loss the same, up to CLOSE_LOSER_BOOST times. Under a
+# plain winner at width 16, a pipelined step costs some fifteen plain
+# ones, and with the plain share its try was due every ~1000 plain steps:
+# at long greedy c16, d2, a first pipelined measurement that lost to plain
+# held the key plain for seven repeats of the sweep, at 0.83-1.01x native,
+# where the run before ran rounds and pipelined steps at 0.96-1.19x
+# (benchmarks/results/findings.md, forty-fifth session). Not for short tries (a few steps of a cheap arm),
+# whose settling steps slow the winner's next steps beyond their own time.
+CLOSE_LOSER_SHORTFALL = 0.3
+CLOSE_LOSER_BOOST = 4.0
 # At most this many steps the plain arm is chosen for at once, for a batch
 # that does not change (:attr:`ScheduleChoice.hold`): the context grows a
 # token a step, and a verdict is kept no further than this from where it was made.
@@ -259,6 +275,12 @@ PAIRS_STALE = 2.0
 # prompt, and held 32 steps. PAIRS_STALE cannot see either: the arm's rate
 # moved little since its last pair.
 PAIRS_AGREE = 1.75
+# A speculative step's lag (:mod:`.batch_drain`) is charged as the mean of
+# its arm's last RATE_WINDOW charges at the key, each the seconds its added
+# lag costs later over the step's own: lag comes in lumps (a row that
+# rejects early in one round of eight), which a median of steps would not
+# see. A step that narrowed the spread takes back at most this share.
+LAG_CREDIT = 0.5
 
 
 @dataclass
@@ -325,6 +347,7 @@ class _Key:
     paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
     doubted: set = field(default_factory=set)  # winners plain was measured beside (PLAIN_DOUBT_STEPS)
     doubting: str | None = None  # the winner of a plain streak under way
+    lag_charges: dict = field(default_factory=dict)  # per speculative arm: its last steps' lag charges (LAG_CREDIT)
 
 
 @dataclass
@@ -468,12 +491,15 @@ class ScheduleChooser:
             self._pair(key, self._last_where, PLAIN, timed / seconds)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
-                after: str | None = None, declined: bool = False) -> None:
+                after: str | None = None, declined: bool = False, lag: float = 0.0) -> None:
         """A decode step of ``width`` requests of mean length ``context``:
         its arm, the tokens it committed and the seconds from its start to
         the next step's start; ``after``: the arm of the step before it
         (:data:`UNCHOSEN`: a step the chooser did not choose; None: not
-        known, the step counts as one after a settled run of its arm).
+        known, the step counts as one after a settled run of its arm);
+        ``lag``: tokens of lag it added to its batch
+        (:func:`~.batch_drain.lag_growth`), charged at one row's cost
+        (:meth:`_lag_charge`).
 
         ``declined``: a step of the policy arm that drafted nothing, a plain
         step (with the policy's planning): a sample of both arms, paired
@@ -487,6 +513,7 @@ class ScheduleChooser:
             return
         self._last_seconds[arm] = seconds
         key = self._key(_where(width, mix, context))
+        charge = 0.0 if declined else self._lag_charge(key, arm, width, mix, context, committed, seconds, lag)
         run = self._run_before(arm, after)
         if run is not None and run < switch_steps(arm) and not self._long_step(key, arm, seconds):
             # The steps after a switch of arm are slower (see the module
@@ -496,10 +523,38 @@ class ScheduleChooser:
         # Per request: a width bucket spans widths (5-8, 9-16), and a
         # batch narrows as its requests finish; a step of 5 rows must
         # not look 40% slower than one of 8.
-        per_request = committed / max(int(width), 1)
+        per_request = committed / max(int(width), 1) / (1.0 + charge)
         for observed_arm in (arm, PLAIN) if declined and arm != PLAIN else (arm,):
             self._update(key, observed_arm, per_request, seconds)
             self._pair(key, _where(width, mix, context), observed_arm, per_request / seconds)
+
+    def _lag_charge(self, key: _Key, arm: str, width: int, mix: int, context: int, committed: int,
+                    seconds: float, lag: float) -> float:
+        """The share of its seconds by which a step of speculative ``arm``
+        is charged for lag: the seconds the ``lag`` tokens it added cost
+        later, decoded by a row alone (:meth:`_one_row_seconds`), less what
+        they cost in this step; the mean over the arm's last steps here
+        (:data:`LAG_CREDIT`). Measured for every step of the arm, settled or
+        not: the lag a step adds does not fade with a switch."""
+        if arm_kind(arm) == PLAIN or width < 2 or committed <= 0:
+            return 0.0
+        extra = lag * max(self._one_row_seconds(key, mix, context) - seconds / committed, 0.0)
+        charges = key.lag_charges.setdefault(arm, deque(maxlen=RATE_WINDOW))
+        charges.append(extra / seconds)
+        return max(statistics.fmean(charges), -LAG_CREDIT)
+
+    def _one_row_seconds(self, key: _Key, mix: int, context: int) -> float:
+        """Seconds per token of a row decoding alone: the best rate of any
+        arm at width 1 (this mix, this context bucket or an adjacent one),
+        as the tail of a batch runs; else a plain step's seconds at ``key``
+        (one row's token costs less than a whole step: the bound above)."""
+        alone, _, bucket = _where(1, mix, context)
+        for near in (bucket, bucket + 1, bucket - 1):
+            narrow = self._keys.get((alone, mix, near))
+            best = max((r.rate for r in narrow.arms.values() if r.samples), default=0.0) if narrow else 0.0
+            if best > 0:
+                return 1.0 / best
+        return key.arms[PLAIN].step_seconds
 
     def _run_before(self, arm: str, after: str | None) -> int | None:
         """Steps of ``arm`` in a row before this observed one; None where
@@ -704,13 +759,31 @@ def _drop_stale_pairs(key: _Key, arm: str) -> None:
 def _try_budget_steps(key: _Key, winner: str, loser: str, losers: int) -> int:
     """Steps of ``winner`` after which a try of ``loser`` costs at most its
     share of :data:`RETRY_TIME_SHARE` (split evenly over the ``losers``): a
-    short arm's try is :func:`switch_steps` + 1 steps, all but the last paying the switch."""
+    short arm's try is :func:`switch_steps` + 1 steps, all but the last paying the switch;
+    a close long loser's share is larger (:func:`_close_loser_boost`)."""
     won, lost = key.arms[winner], key.arms[loser]
-    cost = (switch_steps(loser) + 1 if _short_try(key, winner, loser) else 1) * lost.step_seconds
+    short = _short_try(key, winner, loser)
+    cost = (switch_steps(loser) + 1 if short else 1) * lost.step_seconds
     if not won.step_seconds:
         return 0 if not cost else sys.maxsize
+    share = RETRY_TIME_SHARE / losers * (1.0 if short else _close_loser_boost(key, winner, loser))
     # Rounded down where the division's rounding could wait one step too many.
-    return math.ceil(cost * losers / RETRY_TIME_SHARE / won.step_seconds * (1 - 1e-9))
+    return math.ceil(cost / share / won.step_seconds * (1 - 1e-9))
+
+
+def _close_loser_boost(key: _Key, winner: str, loser: str) -> float:
+    """How many times its share of :data:`RETRY_TIME_SHARE` a long loser's
+    tries may take: as many as keep what they lose against the winner,
+    time times the loser's shortfall, at what a loser short by
+    :data:`CLOSE_LOSER_SHORTFALL` loses with its plain share, up to
+    :data:`CLOSE_LOSER_BOOST`."""
+    rated = _ratings(key, key.arms)
+    if rated[winner] <= 0:
+        return 1.0
+    shortfall = 1.0 - rated[loser] / rated[winner]
+    if shortfall <= CLOSE_LOSER_SHORTFALL / CLOSE_LOSER_BOOST:
+        return CLOSE_LOSER_BOOST
+    return max(1.0, CLOSE_LOSER_SHORTFALL / shortfall)
 
 
 def _short_try(key: _Key, winner: str, loser: str) -> bool:
@@ -772,12 +845,21 @@ def _best(key: _Key, arms) -> str:
     plain rated 414 against its own 230, and beat a pipeline at 252 for the
     66 plain steps of every repeat's first context bucket, at 0.91-0.96x
     the fixed pipeline (``sweep_replay_trace_d2_fortythird.txt``)."""
-    def margin(arm: str) -> float:
-        return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
+    rated = _ratings(key, arms)
+    return max(rated, key=lambda arm: rated[arm] * _margin(arm))
 
+
+def _margin(arm: str) -> float:
+    return 1.0 if arm == PLAIN else 1.0 - SPECULATION_MARGIN
+
+
+def _ratings(key: _Key, arms) -> dict[str, float]:
+    """Per arm of ``arms``: its rate, or where it has :data:`MIN_PAIRS`
+    pairs with the leader that agree with it, the rate they give (see
+    :func:`_best`)."""
     arms = list(arms)
     anchors = [arm for arm in arms if _rests_on_own_steps(key.arms[arm])] or arms
-    leader = max(anchors, key=lambda arm: key.arms[arm].rate * margin(arm))
+    leader = max(anchors, key=lambda arm: key.arms[arm].rate * _margin(arm))
     rated = {}
     for arm in arms:
         pairs = key.pairs.get((arm, leader)) if arm != leader else None
@@ -787,4 +869,4 @@ def _best(key: _Key, arms) -> str:
             paired = key.arms[leader].rate * math.exp(statistics.median(pairs))
             if own <= 0 or own / PAIRS_AGREE <= paired <= own * PAIRS_AGREE:
                 rated[arm] = paired
-    return max(arms, key=lambda arm: rated[arm] * margin(arm))
+    return rated
