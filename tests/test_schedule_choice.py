@@ -373,6 +373,38 @@ def test_a_lead_of_long_steps_waits_for_plain_measured_beside_it():
         assert chooser.choose(8, SAMPLED, in_flight=leader).reason != "measure"
 
 
+def test_a_narrow_lead_of_long_steps_waits_for_pairs_however_settled_plain_is():
+    """A long arm leading plain by under NARROW_LEAD, rated from a few steps
+    of its own against plain's many, wins only once pairs made at one moment
+    agree: plain is measured right after its step (the streak ends MIN_PAIRS
+    samples on, although plain has PLAIN_DOUBT_SAMPLES), and the pairs,
+    which see the pipeline 6% behind, give the key to plain. A wide lead,
+    or a narrow one of short steps, decides at once."""
+    from vllm_loopspec.speculative.schedule_choice import NARROW_LEAD, PLAIN_DOUBT_SAMPLES
+
+    for leader, rate, seconds, waits in ((PIPELINED, 1070.0, 0.03, True), (PIPELINED, 1000.0 * NARROW_LEAD * 1.02, 0.03, False),
+                                         (POLICY, 1070.0, 0.006, False)):
+        chooser = ScheduleChooser()
+        loser = POLICY if leader == PIPELINED else PIPELINED
+        for _ in range(PLAIN_DOUBT_SAMPLES + 4):
+            chooser.observe(8, SAMPLED, PLAIN, 8 * 1000.0 * 0.005, 0.005)
+        for _ in range(MIN_SAMPLES):
+            chooser.observe(8, SAMPLED, loser, 8 * 800.0 * 0.02, 0.02, after=loser)
+        for _ in range(MIN_SAMPLES):
+            chooser.observe(8, SAMPLED, leader, 8 * rate * seconds, seconds, after=leader)
+        if not waits:
+            assert chooser.choose(8, SAMPLED, in_flight=leader) == ScheduleChoice(leader, "faster")
+            continue
+        made, after = [], leader
+        for _ in range(PLAIN_SWITCH_STEPS + MIN_PAIRS):
+            made.append(chooser.choose(8, SAMPLED, in_flight=after))
+            chooser.observe(8, SAMPLED, PLAIN, 8 * 1070.0 / 0.94 * 0.005, 0.005, after=after)
+            after = PLAIN
+        assert made == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + MIN_PAIRS)
+        assert len(chooser._keys[(3, SAMPLED, 0)].pairs[(leader, PLAIN)]) == MIN_PAIRS
+        assert chooser.choose(8, SAMPLED).arm == PLAIN
+
+
 def test_a_doubted_lead_runs_the_leader_first_when_its_last_step_is_not_recent():
     """Plain's streak pairs only with a recent step of the leader (PAIR_GAP):
     where the leader's last sample is older, the leader runs first."""

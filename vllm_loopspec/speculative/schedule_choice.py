@@ -63,7 +63,8 @@ with the best rate, a speculative arm having to beat the plain one by
 the rates' noise), and, where its steps are long, only once the two were
 compared in pairs (else plain is measured beside it first, once:
 :data:`PLAIN_DOUBT_STEPS`; plain's samples at a key are often unsettled or
-stale), and tries each other arm in turn one step in an interval
+stale; and where its lead is narrow, :data:`NARROW_LEAD`: its own rate rests
+on few steps), and tries each other arm in turn one step in an interval
 that doubles while it keeps losing (:data:`RETRY_BACKOFF`), and not before
 the winner has run long enough for
 the try to cost at most its share of :data:`RETRY_TIME_SHARE` of the
@@ -182,6 +183,16 @@ PLAIN_DOUBT_STEPS = 8
 # Plain samples at a key after which its own rate decides without pairs
 # (pairs need the leader's step observed just before: a bound, should it not be).
 PLAIN_DOUBT_SAMPLES = 16
+# A speculative arm of long steps (:data:`LONG_STEP` plain ones) whose own
+# rate leads plain's by less than this factor wins over plain only once the
+# two were compared in MIN_PAIRS pairs, however many samples plain has: its
+# rate rests on two or three steps, each off by the machine's drift
+# (0.77-1.34x, :data:`PAIR_GAP`), while plain's has many. At short T=0.8
+# c4, d2, a pipeline rated from two own steps at 5-8% over plain's 29 won
+# context buckets 1-2 where its trials ran 0.84-0.91x native and its pairs
+# with plain said 0.94x (benchmarks/results/findings.md, forty-sixth
+# session). Plain is measured beside it once, as for PLAIN_DOUBT_STEPS.
+NARROW_LEAD = 1.15
 # A short arm's first this many steps after a step of another arm (or one the
 # chooser did not choose, :data:`UNCHOSEN`) are no samples. Plain steps at
 # width 4, T=0.8: long prompts, 4.66 ms in a run of them; after a pipelined
@@ -347,6 +358,7 @@ class _Key:
     paired_rate: dict[tuple[str, str], float] = field(default_factory=dict)
     doubted: set = field(default_factory=set)  # winners plain was measured beside (PLAIN_DOUBT_STEPS)
     doubting: str | None = None  # the winner of a plain streak under way
+    doubt_from: int = 0  # plain's own samples when that streak began
     lag_charges: dict = field(default_factory=dict)  # per speculative arm: its last steps' lag charges (LAG_CREDIT)
 
 
@@ -616,14 +628,19 @@ class ScheduleChooser:
         lead decides (:data:`PLAIN_DOUBT_STEPS`): once per key and winner, in
         one streak begun right after the winner's step (so that plain's
         samples pair with it; its first PLAIN_SWITCH_STEPS are no samples) and on
-        until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`."""
+        until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`
+        (a narrow lead, :data:`NARROW_LEAD`: MIN_PAIRS more than it had)."""
         plain, won = key.arms[PLAIN], key.arms[winner]
-        if (plain.own >= PLAIN_DOUBT_SAMPLES or len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS
-                or won.step_seconds < PLAIN_DOUBT_STEPS * plain.step_seconds):
+        narrow = won.step_seconds >= LONG_STEP * plain.step_seconds and won.rate < NARROW_LEAD * plain.rate
+        stale = plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
+        if len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS or not (narrow or stale):
             key.doubting = None
             return False
         if key.doubting == winner and self._last_arm == PLAIN:
-            return True  # the streak goes on
+            if plain.own < max(PLAIN_DOUBT_SAMPLES, key.doubt_from + MIN_PAIRS):
+                return True  # the streak goes on
+            key.doubting = None
+            return False
         last = self._last_sample.get(where[:2], {}).get(winner)
         anchored = in_flight == winner or (last is not None and self._clock - last[0] < PAIR_GAP)
         if winner in key.doubted or not anchored:
@@ -631,6 +648,7 @@ class ScheduleChooser:
             return False  # measured beside it once; or the winner's step first, to pair with
         key.doubted.add(winner)
         key.doubting = winner
+        key.doubt_from = plain.own
         return True
 
     def _key(self, where: tuple[int, int, int]) -> _Key:
