@@ -419,17 +419,30 @@ def test_a_doubted_lead_runs_the_leader_first_when_its_last_step_is_not_recent()
 def test_a_plain_streak_that_makes_no_pairs_ends_at_its_bound():
     """Pairs need the leader's step observed just before; should they not be
     made, the streak ends when plain has PLAIN_DOUBT_SAMPLES steps at the
-    key, and the rates decide."""
+    key, and the rates decide: a wide lead takes the key; a narrow one
+    (NARROW_LEAD) leaves it to plain, and its tries make the pairs."""
     from vllm_loopspec.speculative.schedule_choice import PLAIN_DOUBT_SAMPLES
 
-    chooser = _stale_plain_chooser(PIPELINED, 1100.0, 0.1)
-    chooser._last_sample.clear()  # the leader's last step no longer pairs
-    made = []
-    while len(made) < 40 and (not made or made[-1].arm == PLAIN):
-        made.append(chooser.choose(8, SAMPLED, in_flight=PIPELINED if not made else PLAIN))
-        chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005, after=PIPELINED if len(made) == 1 else PLAIN)
-    assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
-    assert made[-1] == ScheduleChoice(PIPELINED, "faster")
+    for rate, after_streak in ((1650.0, PIPELINED), (1100.0, PLAIN)):
+        chooser = _stale_plain_chooser(PIPELINED, rate, 0.1)
+        chooser._last_sample.clear()  # the leader's last step no longer pairs
+        made = []
+        while len(made) < 40 and (not made or made[-1].reason == "measure"):
+            made.append(chooser.choose(8, SAMPLED, in_flight=PIPELINED if not made else PLAIN))
+            chooser.observe(8, SAMPLED, made[-1].arm, 8 * 1000.0 * 0.005, 0.005,
+                            after=PIPELINED if len(made) == 1 else PLAIN)
+        assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
+        assert made[-1].arm == after_streak and made[-1].reason == "faster"
+    tried, last = [], PLAIN
+    for _ in range(400):  # plain's steps and the policy's tries, until the pipeline's try
+        choice = chooser.choose(8, SAMPLED)
+        if choice.arm == PIPELINED:
+            tried.append(choice)
+            break
+        rate, seconds = (1000.0, 0.005) if choice.arm == PLAIN else (800.0, 0.006)
+        chooser.observe(8, SAMPLED, choice.arm, 8 * rate * seconds, seconds, after=last)
+        last = choice.arm
+    assert tried == [ScheduleChoice(PIPELINED, "retry")]
 
 
 def test_a_long_arm_losing_at_the_adjacent_bucket_is_not_measured_again():

@@ -191,7 +191,9 @@ PLAIN_DOUBT_SAMPLES = 16
 # c4, d2, a pipeline rated from two own steps at 5-8% over plain's 29 won
 # context buckets 1-2 where its trials ran 0.84-0.91x native and its pairs
 # with plain said 0.94x (benchmarks/results/findings.md, forty-sixth
-# session). Plain is measured beside it once, as for PLAIN_DOUBT_STEPS.
+# session). Plain is measured beside it once, as for PLAIN_DOUBT_STEPS;
+# where that streak makes too few pairs, plain keeps the key and the arm's
+# tries (one pair each) make the rest.
 NARROW_LEAD = 1.15
 # A short arm's first this many steps after a step of another arm (or one the
 # chooser did not choose, :data:`UNCHOSEN`) are no samples. Plain steps at
@@ -449,6 +451,10 @@ class ScheduleChooser:
             key.doubting = None
         elif self._doubt_plain(key, where, winner, in_flight):
             return ScheduleChoice(PLAIN, "measure")
+        elif winner in key.doubted and _unpaired_narrow_lead(key, winner):
+            # Plain's streak beside it made too few pairs (a third arm's
+            # sample came between): the tries make them, one a try.
+            winner = PLAIN
         if key.last_winner is not None and winner != key.last_winner:
             key.retry_interval = RETRY_BACKOFF[0]  # the verdict changed: the losers are close, try them soon
         key.last_winner = winner
@@ -631,9 +637,8 @@ class ScheduleChooser:
         until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`
         (a narrow lead, :data:`NARROW_LEAD`: MIN_PAIRS more than it had)."""
         plain, won = key.arms[PLAIN], key.arms[winner]
-        narrow = won.step_seconds >= LONG_STEP * plain.step_seconds and won.rate < NARROW_LEAD * plain.rate
         stale = plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
-        if len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS or not (narrow or stale):
+        if len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS or not (_narrow_lead(key, winner) or stale):
             key.doubting = None
             return False
         if key.doubting == winner and self._last_arm == PLAIN:
@@ -808,6 +813,18 @@ def _short_try(key: _Key, winner: str, loser: str) -> bool:
     """Whether a try of ``loser`` is several steps (a short arm's first steps
     after a switch pays it and is no sample) rather than one long step."""
     return key.arms[loser].step_seconds <= LONG_STEP * key.arms[winner].step_seconds
+
+
+def _narrow_lead(key: _Key, arm: str) -> bool:
+    """Whether ``arm``'s steps are long (:data:`LONG_STEP` plain ones) and
+    its rate leads plain's by under :data:`NARROW_LEAD`."""
+    plain, rate = key.arms[PLAIN], key.arms[arm]
+    return rate.step_seconds >= LONG_STEP * plain.step_seconds and rate.rate < NARROW_LEAD * plain.rate
+
+
+def _unpaired_narrow_lead(key: _Key, arm: str) -> bool:
+    """A narrow lead (:func:`_narrow_lead`) without :data:`MIN_PAIRS` pairs with plain."""
+    return _narrow_lead(key, arm) and len(key.pairs.get((arm, PLAIN), ())) < MIN_PAIRS
 
 
 def _measured(key: _Key, arm: str) -> bool:
