@@ -315,7 +315,7 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     llm = engine(loopspec_llms, AUTO)
     drafter = model_runner(llm).drafter
     chooser, controller = drafter.chooser, drafter.controller
-    observed = []
+    observed, lags = [], []
 
     def choose(width, mix, context=0, in_flight=None):
         return ScheduleChoice(POLICY, "faster")
@@ -323,8 +323,9 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     def plan(requests, *args, **kwargs):
         return [0] * len(requests), {}
 
-    def observe(width, mix, arm, committed, seconds, context=0, after=None, declined=False):
+    def observe(width, mix, arm, committed, seconds, context=0, after=None, declined=False, lag=0.0):
         observed.append((arm, declined, after, committed))
+        lags.append(lag)
 
     chooser.choose = choose
     try:
@@ -344,6 +345,7 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     assert len(observed) >= 8, observed
     assert all(arm == POLICY and declined and committed == 2 for arm, declined, _, committed in observed), observed
     assert all(after == POLICY for _, _, after, _ in observed[1:]), observed
+    assert lags == [0.0] * len(observed)  # a plain step advances every row alike: no lag to charge
 
 
 def test_a_batch_none_of_whose_requests_may_draft_is_neither_chosen_nor_measured(loopspec_llms, prompts,
