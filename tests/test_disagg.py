@@ -68,7 +68,13 @@ def _assert_kv_freed(*servers) -> None:
 def servers(tiny_checkpoint, tmp_path_factory):
     """The P/D deployment and a colocated loopspec server with the decode
     side's options, started together (engine starts overlap); both stopped
-    by pid at the end of the module."""
+    by pid at the end of the module.
+
+    The prefill instance's first side-channel port is one this fixture holds
+    (as another process on the host may, between the launcher's draw and the
+    child's bind): that start must fail and the launcher start again on newly
+    drawn ports (``test_a_side_channel_port_taken_before_the_start_is_drawn_again``)."""
+    from vllm_loopspec.disagg import launcher
     from vllm_loopspec.server_process import VllmServer
 
     log_dir = tmp_path_factory.mktemp("pd")
@@ -76,10 +82,20 @@ def servers(tiny_checkpoint, tmp_path_factory):
                            log_path=log_dir / "colocated.log")
     colocated.start()
     try:
-        with PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S, log_dir=log_dir,
-                          start_timeout_s=300, decode_speculative_config=FIXED_K) as deployment:
+        with socket.socket() as held, pytest.MonkeyPatch.context() as patch:
+            held.bind(("127.0.0.1", free_port()))
+            held.listen()
+            first_draws = iter([held.getsockname()[1]])
+            patch.setattr(launcher, "free_port", lambda: next(first_draws, None) or free_port())
+            deployment = PDDeployment(tiny_checkpoint, serve_args=SERVE_ARGS, kv_lease_s=KV_LEASE_S,
+                                      log_dir=log_dir, start_timeout_s=300, decode_speculative_config=FIXED_K)
+            deployment.held_side_channel_port = held.getsockname()[1]
+            deployment.__enter__()
+        try:
             colocated.wait_healthy(300)
             yield deployment, colocated
+        finally:
+            deployment.__exit__(None, None, None)
     finally:
         colocated.stop()
 
@@ -87,6 +103,17 @@ def servers(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pd(servers):
     return servers[0]
+
+
+def test_a_side_channel_port_taken_before_the_start_is_drawn_again(pd):
+    """The prefill instance was first given a side-channel port that another
+    socket held: vLLM's listener could not bind it, the engine exited naming
+    the port (patch 17; before, it waited forever, unhealthy), and the
+    launcher started both instances again on newly drawn ports."""
+    assert pd.start_attempts == 2
+    assert pd.side_channel_ports[0] != pd.held_side_channel_port
+    failed_start = (pd.log_dir / "prefill.attempt1.log").read_text()
+    assert f"NIXL side channel could not listen on 127.0.0.1:{pd.held_side_channel_port}" in failed_start
 
 
 @pytest.fixture(scope="module")

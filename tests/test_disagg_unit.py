@@ -186,3 +186,130 @@ def test_free_ports_are_drawn_below_the_ephemeral_range_and_bind():
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def _scheduler_on(port: int):
+    """vLLM's NIXL scheduler side with only what starting its side-channel
+    listener reads (a real one needs an engine's config)."""
+    import threading
+
+    base_scheduler = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler")
+    scheduler = object.__new__(base_scheduler.NixlBaseConnectorScheduler)
+    scheduler._nixl_handshake_listener_t = None
+    scheduler._stop_event = threading.Event()
+    scheduler.side_channel_host, scheduler.side_channel_port = "127.0.0.1", port
+    return scheduler
+
+
+def _start_listener(scheduler, within_s: float = 20.0):
+    """Call set_xfer_handshake_metadata in a thread (unpatched, it never
+    returns when the port is taken); return what it raised, or None."""
+    import threading
+
+    outcome = {}
+
+    def start():
+        try:
+            scheduler.set_xfer_handshake_metadata({})
+            outcome["raised"] = None
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome["raised"] = exc
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    t.join(within_s)
+    assert "raised" in outcome, "the listener's start waited forever on a port it could not bind"
+    return outcome["raised"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the listener's own traceback
+def test_a_nixl_side_channel_on_a_taken_port_fails_the_start_with_the_port_named():
+    """Patch 17: vLLM waits without a timeout for its side-channel listener,
+    which dies when its port is taken; the engine hung unhealthy (CI, prefill
+    instance, "Address already in use"). Now the start raises, naming the port."""
+    import socket
+
+    from vllm_loopspec import patches
+    from vllm_loopspec.server_process import free_port
+
+    patches.fail_on_a_dead_nixl_listener()
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        raised = _start_listener(_scheduler_on(port))
+    assert isinstance(raised, RuntimeError), raised
+    assert f"127.0.0.1:{port}" in str(raised) and "VLLM_NIXL_SIDE_CHANNEL_PORT" in str(raised)
+
+    scheduler = _scheduler_on(free_port())  # a free port: the listener starts and serves as before
+    assert _start_listener(scheduler) is None
+    assert scheduler._nixl_handshake_listener_t.is_alive()
+    scheduler._stop_event.set()
+    scheduler._nixl_handshake_listener_t.join(10)
+    assert not scheduler._nixl_handshake_listener_t.is_alive()
+
+
+class _Instance:
+    """Stands in for a ``VllmServer`` child in the launcher's start logic."""
+
+    def __init__(self, failures: list) -> None:
+        self.failures, self.started, self.stopped = failures, 0, 0
+        self.log_path = None
+
+    def start(self) -> None:
+        self.started += 1
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+    def wait_healthy(self, timeout: float) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def _deployment_with(prefill_failures: list, **ports):
+    from vllm_loopspec.disagg import launcher
+
+    deployment = object.__new__(launcher.PDDeployment)
+    deployment.start_timeout_s, deployment.log_dir = 1.0, "logs"
+    deployment.given_ports = {"router": None, "prefill": None, "decode": None, "prefill_side_channel": None,
+                              "decode_side_channel": None, **ports}
+    built = []
+
+    def build() -> None:
+        deployment.prefill = _Instance(prefill_failures)
+        deployment.decode = _Instance([])
+        built.append((deployment.prefill, deployment.decode))
+
+    deployment._build_instances = build
+    build()
+    return deployment, built
+
+
+def test_a_start_that_lost_a_drawn_port_is_retried_on_new_ports():
+    """A port the launcher drew may be taken before the child binds it: the
+    start is retried on newly drawn ports; other failures, and losing a port
+    the caller gave, are raised at once."""
+    from vllm_loopspec.disagg.launcher import START_ATTEMPTS
+    from vllm_loopspec.server_process import PortInUse
+
+    deployment, built = _deployment_with([PortInUse("taken")])
+    deployment._start_instances()
+    assert len(built) == 2  # drawn again once
+    assert built[0][0].stopped == built[0][1].stopped == 1 and built[1][0].started == 1
+
+    deployment, built = _deployment_with([PortInUse("taken")] * START_ATTEMPTS)
+    with pytest.raises(PortInUse):
+        deployment._start_instances()
+    assert len(built) == START_ATTEMPTS
+
+    deployment, built = _deployment_with([RuntimeError("bad checkpoint")])
+    with pytest.raises(RuntimeError, match="bad checkpoint"):
+        deployment._start_instances()
+    assert len(built) == 1
+
+    deployment, built = _deployment_with([PortInUse("taken")], prefill=8100, decode=8200,
+                                         prefill_side_channel=5600, decode_side_channel=5601)
+    with pytest.raises(PortInUse):
+        deployment._start_instances()
+    assert len(built) == 1  # every port was the caller's: nothing to redraw

@@ -52,7 +52,11 @@ patches, numbered in the comments and docstrings below:
 16. ``GPUModelRunner.num_accepted_tokens_event``, set to None in a loopspec
    runner of a model that is not hybrid: ``_prepare_inputs`` then skips the
    per-step host sync and copy of accepted counts that only hybrid (Mamba)
-   models write (:func:`skip_accepted_counts_sync`).
+   models write (:func:`skip_accepted_counts_sync`);
+17. ``NixlBaseConnectorScheduler.set_xfer_handshake_metadata`` and its
+   ``_nixl_handshake_listener``: an engine whose NIXL side channel cannot
+   bind its port fails at start with the port named, instead of waiting
+   forever for a listener that died (:func:`fail_on_a_dead_nixl_listener`).
 
 Patches 1, 2, 7, 9 and 12 are needed in every process (front end and engines);
 3 to 6 fix vLLM bugs on CPU for every engine of the process, whatever its
@@ -63,7 +67,8 @@ server processes of a server with ``--api-server-count > 1``; 12 on CPU (its
 runtime-env half only in engines that select Ray); 13 in CPU engines with a
 ``NixlConnector`` (P/D instances); 14 only for loopspec engines that ask for
 async scheduling, in every process that validates their config, and 15 with
-it, on CPU; 16 in each loopspec runner. The worker classes themselves are vLLM's documented
+it, on CPU; 16 in each loopspec runner; 17 in every process (it acts only
+in engines with a ``NixlConnector``, P/D instances, whatever their method). The worker classes themselves are vLLM's documented
 ``--worker-cls`` extension point, not patches.
 """
 
@@ -650,6 +655,62 @@ def skip_accepted_counts_sync(runner) -> None:
         runner.num_accepted_tokens_event = None
 
 
+# Patch 17 — NixlBaseConnectorScheduler.set_xfer_handshake_metadata (vllm/
+# distributed/kv_transfer/kv_connector/v1/nixl/base_scheduler.py) starts the
+# side-channel listener thread (_nixl_handshake_listener) and waits on its
+# ready event with no timeout. A listener that cannot bind its port
+# (VLLM_NIXL_SIDE_CHANNEL_PORT held by another process) dies before it sets
+# the event: the engine core waits forever, `vllm serve` never answers
+# /health and its log shows only the thread's traceback (a CI run's prefill
+# instance hung so for 300 s on "Address already in use"). The listener is
+# wrapped to record its failure and release the waiter; the caller then
+# raises, so the engine exits with the port named.
+_failed_nixl_listeners: dict[tuple[str, int], BaseException] = {}
+
+
+def record_listener_failure(original):
+    @functools.wraps(original)
+    def listener(encoded_data, ready_event, stop_event, host, port, *args, **kwargs):
+        try:
+            return original(encoded_data, ready_event, stop_event, host, port, *args, **kwargs)
+        except BaseException as exc:
+            if not ready_event.is_set():  # died before listening: release the waiting engine
+                _failed_nixl_listeners[(host, port)] = exc
+                ready_event.set()
+            raise
+
+    listener.__loopspec_patched__ = True
+    return listener
+
+
+def raise_listener_failure(original):
+    @functools.wraps(original)
+    def set_xfer_handshake_metadata(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        failure = _failed_nixl_listeners.pop((self.side_channel_host, self.side_channel_port), None)
+        if failure is not None:
+            raise RuntimeError(
+                f"NIXL side channel could not listen on {self.side_channel_host}:{self.side_channel_port} "
+                f"({failure}): another process holds the port. Set VLLM_NIXL_SIDE_CHANNEL_PORT to a free "
+                "port (each P/D instance needs its own)") from failure
+        return result
+
+    set_xfer_handshake_metadata.__loopspec_patched__ = True
+    return set_xfer_handshake_metadata
+
+
+def fail_on_a_dead_nixl_listener() -> None:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler
+    except ImportError:  # no NIXL connector in this build
+        return
+    cls = base_scheduler.NixlBaseConnectorScheduler
+    if getattr(cls.set_xfer_handshake_metadata, "__loopspec_patched__", False):
+        return
+    cls._nixl_handshake_listener = staticmethod(record_listener_failure(cls._nixl_handshake_listener))
+    cls.set_xfer_handshake_metadata = raise_listener_failure(cls.set_xfer_handshake_metadata)
+
+
 def apply() -> None:
     """Install the wrappers (idempotent)."""
     global _applied
@@ -660,6 +721,7 @@ def apply() -> None:
     serve_unverifiable_sampling()
     run_ray_executor_on_cpu()
     allow_async_loopspec()
+    fail_on_a_dead_nixl_listener()
     _fix_expand_after_platform_overrides()
     from vllm.engine.arg_utils import EngineArgs
 

@@ -53,6 +53,11 @@ def vllm_command() -> str:
     return str(exe) if exe.exists() else (shutil.which("vllm") or "vllm")
 
 
+class PortInUse(RuntimeError):
+    """A server exited at start because a port it was told to bind was taken
+    (a port drawn by :func:`free_port` can be taken before the child binds it)."""
+
+
 class ServerClient:
     """The OpenAI HTTP API and ``/metrics`` of a server at ``url``."""
 
@@ -138,12 +143,21 @@ class VllmServer(ServerClient):
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=60)
 
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
+
     def wait_healthy(self, timeout: float = 600.0) -> None:
+        """Wait for ``/health``; raise with the log's tail if the child exits
+        (:class:`PortInUse` where it lost a port it was given) or times out."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc and self.proc.poll() is not None:
-                tail = self.log_path.read_text()[-3000:] if self.log_path else ""
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{tail}")
+                log = self.log_path.read_text(errors="replace") if self.log_path else ""
+                port_lost = [line for line in log.splitlines() if "address already in use" in line.lower()]
+                if port_lost:  # the engine core's cause, which the front end's traceback (the tail) omits
+                    raise PortInUse(f"vllm serve exited with {self.proc.returncode}: {port_lost[-1].strip()}\n"
+                                    f"{log[-3000:]}")
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{log[-3000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -151,4 +165,4 @@ class VllmServer(ServerClient):
             except OSError:
                 pass
             time.sleep(1.0)
-        raise TimeoutError(f"vllm serve not healthy after {timeout}s: {' '.join(self.cmd)}")
+        raise TimeoutError(f"vllm serve not healthy after {timeout}s: {' '.join(self.cmd)}\n{self.log_tail()}")

@@ -62,11 +62,13 @@ from vllm_loopspec.disagg.contract import (
     contract_from_server,
 )
 from vllm_loopspec.disagg.router import Router
-from vllm_loopspec.server_process import ServerClient, VllmServer, free_port
+from vllm_loopspec.server_process import PortInUse, ServerClient, VllmServer, free_port
 
 DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5",
                       "--enforce-eager")
 KV_LOAD_FAILURE_POLICY = "recompute"
+START_ATTEMPTS = 3  # starts on newly drawn ports after a drawn port was taken (see PDDeployment._start_instances)
+INSTANCE_PORTS = ("prefill", "decode", "prefill_side_channel", "decode_side_channel")
 
 
 def is_cuda_host() -> bool:
@@ -164,20 +166,33 @@ class PDDeployment:
                                                           kv_lease_s))]
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="loopspec-pd-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        devices = (prefill_devices, decode_devices)
+        self.devices = (prefill_devices, decode_devices)
         if prefill_devices is None and decode_devices is None:
-            devices = ("0", "1") if self.cuda else split_cpus()
-        self.side_channel_ports = (prefill_side_channel_port or free_port(), decode_side_channel_port or free_port())
-        self.prefill = VllmServer(self.prefill_checkpoint, *self.prefill_args, port=prefill_port,
-                                  log_path=self.log_dir / "prefill.log",
-                                  env={**instance_env(self.side_channel_ports[0], self.cuda, devices[0]), **(env or {})})
-        self.decode = VllmServer(self.checkpoint, *self.decode_args, port=decode_port,
-                                 log_path=self.log_dir / "decode.log",
-                                 env={**instance_env(self.side_channel_ports[1], self.cuda, devices[1]), **(env or {})})
-        # port None: the router binds a free port when it starts (see Router.start_in_thread).
-        self.router = Router(self.prefill.url, self.decode.url, port=port or 0)
+            self.devices = ("0", "1") if self.cuda else split_cpus()
+        self.given_ports = {"router": port, "prefill": prefill_port, "decode": decode_port,
+                            "prefill_side_channel": prefill_side_channel_port,
+                            "decode_side_channel": decode_side_channel_port}
+        self.env = env or {}
         self.warmup = warmup
         self.start_timeout_s = start_timeout_s
+        self._build_instances()
+
+    def _build_instances(self) -> None:
+        """The two ``vllm serve`` children and the router, on the ports given
+        or on ports drawn now (drawn again for a start that lost one)."""
+        given = self.given_ports
+        self.side_channel_ports = (given["prefill_side_channel"] or free_port(),
+                                   given["decode_side_channel"] or free_port())
+        self.prefill = VllmServer(self.prefill_checkpoint, *self.prefill_args, port=given["prefill"],
+                                  log_path=self.log_dir / "prefill.log",
+                                  env={**instance_env(self.side_channel_ports[0], self.cuda, self.devices[0]),
+                                       **self.env})
+        self.decode = VllmServer(self.checkpoint, *self.decode_args, port=given["decode"],
+                                 log_path=self.log_dir / "decode.log",
+                                 env={**instance_env(self.side_channel_ports[1], self.cuda, self.devices[1]),
+                                      **self.env})
+        # port None: the router binds a free port when it starts (see Router.start_in_thread).
+        self.router = Router(self.prefill.url, self.decode.url, port=given["router"] or 0)
 
     @property
     def url(self) -> str:
@@ -198,10 +213,7 @@ class PDDeployment:
     def __enter__(self) -> "PDDeployment":
         self.check_args()
         try:
-            self.prefill.start()
-            self.decode.start()
-            self.prefill.wait_healthy(self.start_timeout_s)
-            self.decode.wait_healthy(self.start_timeout_s)
+            self._start_instances()
             check_pair(contract_from_server(self.prefill.url), contract_from_server(self.decode.url),
                        "as the running servers report it")
             self.router.start_in_thread()
@@ -211,6 +223,34 @@ class PDDeployment:
             self.stop()
             raise
         return self
+
+    def _start_instances(self, attempts: int = START_ATTEMPTS) -> None:
+        """Start both instances and wait for them. A port this launcher drew
+        can be taken by another process before the child binds it (the HTTP
+        port, or the NIXL side channel: patch 17 makes that one exit too);
+        such a start is retried on newly drawn ports, ``attempts`` in all.
+        Ports the caller gave are not redrawn: their failure is raised."""
+        for attempt in range(1, attempts + 1):
+            self.prefill.start()
+            self.decode.start()
+            try:
+                self.prefill.wait_healthy(self.start_timeout_s)
+                self.decode.wait_healthy(self.start_timeout_s)
+                self.start_attempts = attempt
+                return
+            except PortInUse:
+                self.decode.stop()
+                self.prefill.stop()
+                drawn = [name for name in INSTANCE_PORTS if self.given_ports[name] is None]
+                if attempt == attempts or not drawn:
+                    raise
+                for server in (self.prefill, self.decode):  # kept for a look at what failed
+                    if server.log_path and server.log_path.exists():
+                        server.log_path.rename(server.log_path.with_suffix(f".attempt{attempt}.log"))
+                print(f"P/D launcher: an instance lost a port at start (logs kept as *.attempt{attempt}.log "
+                      f"in {self.log_dir}); starting again on new ports, attempt {attempt + 1} of {attempts}",
+                      file=sys.stderr)
+                self._build_instances()
 
     def __exit__(self, *exc) -> None:
         self.stop()
