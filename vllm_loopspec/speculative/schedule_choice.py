@@ -638,7 +638,7 @@ class ScheduleChooser:
         (a narrow lead, :data:`NARROW_LEAD`: MIN_PAIRS more than it had)."""
         plain, won = key.arms[PLAIN], key.arms[winner]
         stale = plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
-        if len(key.pairs.get((winner, PLAIN), ())) >= MIN_PAIRS or not (_narrow_lead(key, winner) or stale):
+        if _paired_with_plain(key, winner) or not (_narrow_lead(key, winner) or stale):
             key.doubting = None
             return False
         if key.doubting == winner and self._last_arm == PLAIN:
@@ -822,9 +822,14 @@ def _narrow_lead(key: _Key, arm: str) -> bool:
     return rate.step_seconds >= LONG_STEP * plain.step_seconds and rate.rate < NARROW_LEAD * plain.rate
 
 
+def _paired_with_plain(key: _Key, arm: str) -> bool:
+    """Whether ``arm`` has :data:`MIN_PAIRS` pairs with plain at ``key``."""
+    return len(key.pairs.get((arm, PLAIN), ())) >= MIN_PAIRS
+
+
 def _unpaired_narrow_lead(key: _Key, arm: str) -> bool:
     """A narrow lead (:func:`_narrow_lead`) without :data:`MIN_PAIRS` pairs with plain."""
-    return _narrow_lead(key, arm) and len(key.pairs.get((arm, PLAIN), ())) < MIN_PAIRS
+    return _narrow_lead(key, arm) and not _paired_with_plain(key, arm)
 
 
 def _measured(key: _Key, arm: str) -> bool:
