@@ -12,7 +12,8 @@ tokens committed, and for loopspec the policy's decision (the largest K_i of
 the step and why). Reported: throughput before, during and after the burst
 for both engines (the burst window: from the arrival to the last burst
 request's end), and a plot of the policy's K per step over time with the
-batch width (``benchmarks/results/plots/<out stem>.png``, ``adaptive_burst.png`` by default).
+batch width (``--plot``; by default ``benchmarks/results/plots/<out stem>.png``, so
+``adaptive_burst.png`` for the default ``--out``).
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ def main() -> None:
                     help="the loopspec engine's draft_loops (several: each step chooses its depth, with "
                          "\"schedule\": \"auto\"); default: loopspec's default")
     ap.add_argument("--out", type=Path, default=RESULTS / "adaptive_burst.json")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="where the plot goes (default: results/plots/<--out's stem>.png; name it when --out "
+                         "is a scratch file, e.g. a run from a worktree to be committed under another name)")
     ap.add_argument("--no-twin", dest="twin", action="store_false",
                     help="leave out the second native engine (the noise floor: its ratio to the first)")
     args = ap.parse_args()
@@ -202,7 +206,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    plot(record, RESULTS / "plots" / f"{args.out.stem}.png")
+    plot(record, args.plot or RESULTS / "plots" / f"{args.out.stem}.png")
     for w in ("before", "burst", "after"):
         print(f"{w:>6}: native {summary[w + '_tokens_per_s']['native']:.0f} tok/s, adaptive "
               f"{summary[w + '_tokens_per_s']['loopspec adaptive']:.0f} tok/s ({summary[w + '_speedup_median']:.2f}x)"

@@ -310,6 +310,7 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
     """A step chosen for the policy arm whose policy drafts nothing is a
     plain step: the chooser observes it as declined (a sample of both the
     policy's arm and plain)."""
+    from vllm_loopspec.speculative.adaptive import GREEDY
     from vllm_loopspec.speculative.schedule_choice import POLICY, ScheduleChoice
 
     llm = engine(loopspec_llms, AUTO)
@@ -329,11 +330,11 @@ def test_a_policy_step_that_drafts_nothing_is_observed_as_declined(loopspec_llms
 
     chooser.choose = choose
     try:
-        for _ in range(5):  # the policy's warm-up (its steps are not observed)
-            if controller.costs is not None:
+        for _ in range(8):  # the policy's warm-up (its steps are not observed), unless earlier tests ran it
+            if not controller.warming_up(GREEDY):
                 break
             llm.generate(prompts[:2], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)
-        assert controller.costs is not None
+        assert not controller.warming_up(GREEDY)
         chooser.observe, controller.plan = observe, plan
         batch = prompts[:2]
         outs = llm.generate(batch, SamplingParams(max_tokens=13, temperature=0, ignore_eos=True), use_tqdm=False)

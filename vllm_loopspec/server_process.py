@@ -99,24 +99,37 @@ class VllmServer(ServerClient):
 
     def __init__(self, checkpoint: str | Path, *args: str, port: int | None = None,
                  log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
-        self.port = port or free_port()
-        super().__init__(f"http://127.0.0.1:{self.port}")
-        self.cmd = [vllm_command(), "serve", str(checkpoint), "--host", "127.0.0.1",
-                    "--port", str(self.port), *args]
+        self.checkpoint, self.args, self.port_given = str(checkpoint), args, port is not None
+        self._listen_on(port or free_port())
         self.log_path = Path(log_path) if log_path else None
         self.env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     **(env or {})}
         self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.proc: subprocess.Popen | None = None
 
+    def _listen_on(self, port: int) -> None:
+        self.port = port
+        super().__init__(f"http://127.0.0.1:{port}")
+        self.cmd = [vllm_command(), "serve", self.checkpoint, "--host", "127.0.0.1", "--port", str(port),
+                    *self.args]
+
     def __enter__(self) -> "VllmServer":
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()  # never leave a server behind that did not come up in time
-            raise
-        return self
+        """Start and wait; a start that lost the port drawn for it (taken
+        before the child bound it) is tried again on a new one, three in all."""
+        for attempt in range(1, 4):
+            self.start()
+            try:
+                self.wait_healthy()
+                self.start_attempts = attempt
+                return self
+            except PortInUse:
+                self.stop()
+                if self.port_given or attempt == 3:
+                    raise
+                self._listen_on(free_port())
+            except BaseException:
+                self.stop()  # never leave a server behind that did not come up in time
+                raise
 
     def start(self) -> None:
         """Start the child without waiting for it (``wait_healthy`` waits)."""
