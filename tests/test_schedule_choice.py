@@ -405,29 +405,6 @@ def test_a_narrow_lead_of_long_steps_waits_for_pairs_however_settled_plain_is():
         assert chooser.choose(8, SAMPLED).arm == PLAIN
 
 
-def test_a_lead_paired_with_plain_next_door_is_not_doubted_again():
-    """Plain's few samples at a new context bucket do not make a long leader
-    wait for a plain streak where the adjacent bucket (same width and mix)
-    paired the two and put the leader ahead by NARROW_LEAD or more: at short
-    greedy c1 such streaks, one at each bucket, took half a trial's steps.
-    A narrower paired lead next door still has plain measured here."""
-    for plain_now, doubted_next_door in ((1200.0, False), (1600.0, True)):
-        chooser = _stale_plain_chooser(PIPELINED, 1650.0, 0.100)
-        after = PIPELINED
-        for _ in range(PLAIN_SWITCH_STEPS + MIN_PAIRS):  # the streak at context bucket 0: pairs
-            assert chooser.choose(8, SAMPLED, in_flight=after) == ScheduleChoice(PLAIN, "measure")
-            chooser.observe(8, SAMPLED, PLAIN, 8 * plain_now * 0.005, 0.005, after=after)
-            after = PLAIN
-        assert len(chooser._keys[(3, SAMPLED, 0)].pairs[(PIPELINED, PLAIN)]) == MIN_PAIRS
-        # The next context bucket: plain with few samples, the pipeline ahead by its own rate.
-        for arm, rate, seconds in ((PLAIN, 1000.0, 0.005), (POLICY, 800.0, 0.006), (PIPELINED, 1650.0, 0.100)):
-            for _ in range(MIN_SAMPLES):
-                chooser.observe(8, SAMPLED, arm, 8 * rate * seconds, seconds, context=100, after=arm)
-        assert (3, SAMPLED, 1) in chooser._keys
-        choice = chooser.choose(8, SAMPLED, context=100, in_flight=PIPELINED)
-        assert choice == (ScheduleChoice(PLAIN, "measure") if doubted_next_door else ScheduleChoice(PIPELINED, "faster"))
-
-
 def test_a_doubted_lead_runs_the_leader_first_when_its_last_step_is_not_recent():
     """Plain's streak pairs only with a recent step of the leader (PAIR_GAP):
     where the leader's last sample is older, the leader runs first."""

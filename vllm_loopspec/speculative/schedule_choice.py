@@ -182,15 +182,6 @@ LONG_LOSER_BORROW = 0.9
 PLAIN_DOUBT_STEPS = 8
 # Plain samples at a key after which its own rate decides without pairs
 # (pairs need the leader's step observed just before: a bound, should it not be).
-# Nor is plain doubted for its few samples where an adjacent context bucket
-# of the same width and mix compared the leader with plain in MIN_PAIRS
-# pairs that put it ahead by NARROW_LEAD at least (pairs are measured at one
-# moment, and a ratio to plain carries across context buckets where a rate
-# does not, see _relative_to_plain): at short greedy c1, d1, a pipeline at
-# 2.1x plain was doubted at each new context bucket, a streak of 9-10 plain
-# steps each time, about a pipelined step's time, while at 64 tokens a bucket
-# it ran some six steps there; 19 of a trial's 38 steps were such streaks and
-# the trial ran at 0.79x the fixed pipeline (forty-eighth session's replay).
 PLAIN_DOUBT_SAMPLES = 16
 # A speculative arm of long steps (:data:`LONG_STEP` plain ones) whose own
 # rate leads plain's by less than this factor wins over plain only once the
@@ -646,8 +637,7 @@ class ScheduleChooser:
         until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`
         (a narrow lead, :data:`NARROW_LEAD`: MIN_PAIRS more than it had)."""
         plain, won = key.arms[PLAIN], key.arms[winner]
-        stale = (plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
-                 and not self._paired_lead_next_door(where, winner))
+        stale = plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
         if _paired_with_plain(key, winner) or not (_narrow_lead(key, winner) or stale):
             key.doubting = None
             return False
@@ -742,17 +732,6 @@ class ScheduleChooser:
         bucket, mix, context = where
         return any(other is not None and _long_loser(other, arm)
                    for other in (self._keys.get((bucket - 1, mix, c)) for c in (context, context - 1, context + 1)))
-
-    def _paired_lead_next_door(self, where: tuple[int, int, int], arm: str) -> bool:
-        """Whether an adjacent context bucket of the same width bucket and
-        mix has :data:`MIN_PAIRS` pairs of ``arm`` with plain whose median
-        puts ``arm`` ahead by :data:`NARROW_LEAD` at least."""
-        bucket, mix, context = where
-        for other in (self._keys.get((bucket, mix, context - 1)), self._keys.get((bucket, mix, context + 1))):
-            pairs = other.pairs.get((arm, PLAIN)) if other is not None else None
-            if pairs and len(pairs) >= MIN_PAIRS and statistics.median(pairs) >= math.log(NARROW_LEAD):
-                return True
-        return False
 
     def _neighbour_winner(self, where: tuple[int, int, int]) -> str | None:
         """The winning arm at an adjacent width bucket of the same mix and
