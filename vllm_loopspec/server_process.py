@@ -94,6 +94,13 @@ class ServerClient:
             return r.read().decode()
 
 
+START_ATTEMPTS = 3
+"""Starts in all for a server (or a P/D pair) whose drawn port another process
+took before the child bound it: each new start draws new ports."""
+
+LOG_TAIL_CHARS = 3000
+
+
 class VllmServer(ServerClient):
     """``vllm serve CKPT ARGS`` on 127.0.0.1; a context manager."""
 
@@ -115,8 +122,9 @@ class VllmServer(ServerClient):
 
     def __enter__(self) -> "VllmServer":
         """Start and wait; a start that lost the port drawn for it (taken
-        before the child bound it) is tried again on a new one, three in all."""
-        for attempt in range(1, 4):
+        before the child bound it) is tried again on a new one,
+        ``START_ATTEMPTS`` in all."""
+        for attempt in range(1, START_ATTEMPTS + 1):
             self.start()
             try:
                 self.wait_healthy()
@@ -124,7 +132,7 @@ class VllmServer(ServerClient):
                 return self
             except PortInUse:
                 self.stop()
-                if self.port_given or attempt == 3:
+                if self.port_given or attempt == START_ATTEMPTS:
                     raise
                 self._listen_on(free_port())
             except BaseException:
@@ -156,7 +164,7 @@ class VllmServer(ServerClient):
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=60)
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
 
     def wait_healthy(self, timeout: float = 600.0) -> None:
@@ -169,8 +177,8 @@ class VllmServer(ServerClient):
                 port_lost = [line for line in log.splitlines() if "address already in use" in line.lower()]
                 if port_lost:  # the engine core's cause, which the front end's traceback (the tail) omits
                     raise PortInUse(f"vllm serve exited with {self.proc.returncode}: {port_lost[-1].strip()}\n"
-                                    f"{log[-3000:]}")
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{log[-3000:]}")
+                                    f"{log[-LOG_TAIL_CHARS:]}")
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}\n{log[-LOG_TAIL_CHARS:]}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:

@@ -62,12 +62,11 @@ from vllm_loopspec.disagg.contract import (
     contract_from_server,
 )
 from vllm_loopspec.disagg.router import Router
-from vllm_loopspec.server_process import PortInUse, ServerClient, VllmServer, free_port
+from vllm_loopspec.server_process import START_ATTEMPTS, PortInUse, ServerClient, VllmServer, free_port
 
 DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5",
                       "--enforce-eager")
 KV_LOAD_FAILURE_POLICY = "recompute"
-START_ATTEMPTS = 3  # starts on newly drawn ports after a drawn port was taken (see PDDeployment._start_instances)
 INSTANCE_PORTS = ("prefill", "decode", "prefill_side_channel", "decode_side_channel")
 
 
