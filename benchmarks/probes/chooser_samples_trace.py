@@ -35,10 +35,10 @@ def main() -> None:
     samples = collections.defaultdict(list)  # (bucket, context bucket, arm, kind) -> rates
     observe, credit = chooser.observe, chooser.credit_held
 
-    def logged_observe(w, mix, arm, committed, seconds, context=0, after=None, declined=False):
+    def logged_observe(w, mix, arm, committed, seconds, context=0, after=None, declined=False, lag=0.0):
         key = chooser._key(_where(w, mix, context))
         before = {a: r.own for a, r in key.arms.items()}
-        observe(w, mix, arm, committed, seconds, context, after=after, declined=declined)
+        observe(w, mix, arm, committed, seconds, context, after=after, declined=declined, lag=lag)
         where = _where(w, mix, context)
         for a, r in key.arms.items():
             if r.own > before[a]:
