@@ -180,15 +180,6 @@ LONG_LOSER_BORROW = 0.9
 # lead doubted, or doubted again whenever pairs went stale, greedy c1 lost
 # 5-17% in an A/B (chooser_ab_plain_doubt_first.json).
 PLAIN_DOUBT_STEPS = 8
-# A leader rated this many times plain's rate or more is not doubted for
-# plain's samples being few: plain's stale samples in the burst were slow by
-# 1.2-1.65x (the leads doubted above; single steps up to 1.9x, their median
-# less), while at short greedy c1, d1, a pipeline at 2.1x plain's own rate
-# was doubted at each new context bucket, 9-10 plain steps each time, one
-# trial 19 of its 38 steps (0.79x the fixed pipeline;
-# ``sweep_replay_trace_d1_short_greedy_c1_c4_fortyeighth.txt``). Plain's
-# tries still pair with such a leader, and its pairs rate plain.
-PLAIN_DOUBT_MAX_LEAD = 1.8
 # Plain samples at a key after which its own rate decides without pairs
 # (pairs need the leader's step observed just before: a bound, should it not be).
 PLAIN_DOUBT_SAMPLES = 16
@@ -640,15 +631,13 @@ class ScheduleChooser:
 
     def _doubt_plain(self, key: _Key, where: tuple[int, int, int], winner: str, in_flight: str | None) -> bool:
         """Whether to measure plain beside speculative ``winner`` before its
-        lead decides (:data:`PLAIN_DOUBT_STEPS`, below
-        :data:`PLAIN_DOUBT_MAX_LEAD`): once per key and winner, in
+        lead decides (:data:`PLAIN_DOUBT_STEPS`): once per key and winner, in
         one streak begun right after the winner's step (so that plain's
         samples pair with it; its first PLAIN_SWITCH_STEPS are no samples) and on
         until the pairs are made or plain has :data:`PLAIN_DOUBT_SAMPLES`
         (a narrow lead, :data:`NARROW_LEAD`: MIN_PAIRS more than it had)."""
         plain, won = key.arms[PLAIN], key.arms[winner]
-        stale = (plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
-                 and won.rate < PLAIN_DOUBT_MAX_LEAD * plain.rate)
+        stale = plain.own < PLAIN_DOUBT_SAMPLES and won.step_seconds >= PLAIN_DOUBT_STEPS * plain.step_seconds
         if _paired_with_plain(key, winner) or not (_narrow_lead(key, winner) or stale):
             key.doubting = None
             return False
