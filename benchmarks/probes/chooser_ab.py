@@ -133,6 +133,15 @@ def choose_without_plain_doubt(self, key, where, in_flight):
     return _with_rule_constant("PLAIN_DOUBT_SAMPLES", 0, lambda: type(self)._choose(self, key, where, in_flight))
 
 
+def choose_without_doubt_max_lead(self, key, where, in_flight):
+    """``_choose`` without PLAIN_DOUBT_MAX_LEAD (forty-ninth session: a
+    leader 1.8x plain's rate or more not doubted for plain's few samples).
+    The rule was reverted (``b2c7ced``); run this from a checkout of
+    ``0928606``, where the constant exists."""
+    return _with_rule_constant("PLAIN_DOUBT_MAX_LEAD", float("inf"),
+                               lambda: type(self)._choose(self, key, where, in_flight))
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -158,7 +167,8 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "declined_as_policy": [("observe", observe_declined_as_policy)],
              "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)],
              "no_lag_charge": [("_lag_charge", lag_charge_none)],
-             "no_plain_doubt": [("_choose", choose_without_plain_doubt)]}
+             "no_plain_doubt": [("_choose", choose_without_plain_doubt)],
+             "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)]}
 
 
 def main():
