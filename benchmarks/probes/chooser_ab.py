@@ -168,7 +168,9 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "one_switch_step": [("observe", observe_one_switch_step), ("_choose", choose_one_switch_step)],
              "no_lag_charge": [("_lag_charge", lag_charge_none)],
              "no_plain_doubt": [("_choose", choose_without_plain_doubt)],
-             "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)]}
+             "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)],
+             # nothing replaced: two engines of the committed chooser, the A/B's own spread
+             "identical": []}
 
 
 def main():
