@@ -142,6 +142,15 @@ def choose_without_doubt_max_lead(self, key, where, in_flight):
                                lambda: type(self)._choose(self, key, where, in_flight))
 
 
+def choose_half_try_share(self, key, where, in_flight):
+    """``_choose`` with half of RETRY_TIME_SHARE: a variant, not an older
+    rule (forty-ninth session): the "old" engines spend half the time on
+    losers' tries, so new over old under 1 says the tries cost that much."""
+    from vllm_loopspec.speculative.schedule_choice import RETRY_TIME_SHARE
+    return _with_rule_constant("RETRY_TIME_SHARE", RETRY_TIME_SHARE / 2,
+                               lambda: type(self)._choose(self, key, where, in_flight))
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -169,6 +178,7 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "no_lag_charge": [("_lag_charge", lag_charge_none)],
              "no_plain_doubt": [("_choose", choose_without_plain_doubt)],
              "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)],
+             "half_try_share": [("_choose", choose_half_try_share)],
              # nothing replaced: two engines of the committed chooser, the A/B's own spread
              "identical": []}
 
