@@ -7,7 +7,9 @@ new over old paired by repeat.
 
     python benchmarks/probes/chooser_ab.py RULE OUT [--draft-loops 1 2] [--repeats 5]
 
-RULE names the old rule in ``OLD_RULES``."""
+RULE names the old rule in ``OLD_RULES``; a few entries there are
+variants rather than older rules (``half_try_share``), and ``identical``
+replaces nothing: two equal engines, the A/B's own spread."""
 import argparse, json, statistics, sys, time, types
 from pathlib import Path
 
