@@ -9,7 +9,7 @@ only: the host's state between runs is not in it. Prints only.
 import collections, itertools, json, random, statistics, sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from report import is_fixed_arm
+from report import adaptive_suffix, best_d_bars
 
 rec = json.load(open(sys.argv[1]))
 size = int(sys.argv[2])
@@ -19,17 +19,18 @@ random.seed(0)
 if len(subsets) > 300:
     subsets = random.sample(subsets, 300)
 
+suffix = adaptive_suffix(rec)
+
+
 def bars(keep):
     ok_native = ok_best = 0
     for cell, by_c in rec["raw"].items():
         for c, arms in by_c.items():
             med = {n: statistics.median(t["tokens_per_s"] for t in trials if t["repeat"] in keep)
                    for n, trials in arms.items() if trials}
-            auto = [v for n, v in med.items() if n.endswith(" auto")]
-            fixed = [v for n, v in med.items() if is_fixed_arm(n)]
-            a = max(auto)
-            ok_native += a >= 0.97 * med["native"]
-            ok_best += a >= 0.95 * max(fixed)
+            bar_native, bar_best = best_d_bars(med, suffix)
+            ok_native += bar_native
+            ok_best += bar_best
     return ok_native, ok_best
 
 print(sys.argv[1], "all", repeats, "repeats:", bars(set(range(repeats))))
