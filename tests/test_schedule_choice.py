@@ -76,8 +76,9 @@ def test_losers_are_tried_in_turn_less_and_less_often_and_can_win_back():
     # The winner's steps are long, the losers' short: their tries' time
     # budgets come due at once (a plain try has more steps after the switch,
     # switch_steps, so the pipeline's step is as much longer), and the
-    # interval between tries decides.
-    seconds = {PLAIN: 0.01, POLICY: 0.25,
+    # interval between tries decides (the winner's step is long enough, for
+    # RETRY_TIME_SHARE, that a try is due after some 19 of them).
+    seconds = {PLAIN: 0.01, POLICY: 0.0075 / RETRY_TIME_SHARE,
                PIPELINED: 0.01 * (PLAIN_SWITCH_STEPS + 1) / (SWITCH_STEPS + 1)}
     rates = {PLAIN: 300.0, POLICY: 500.0, PIPELINED: 400.0}
     made = _run(chooser, 4, GREEDY, rates, MEASURE + 600, seconds)
@@ -266,13 +267,17 @@ def test_a_plain_verdict_borrowed_from_a_shorter_context_yields_to_a_try():
     bucket starts from the plain verdict it borrowed; its holds' timing
     moves plain's rate, and the policy's borrowed rate with it (borrowed
     relative to plain), so the first try of the policy overturns it, within
-    ten holds (its share of the try budget: half of RETRY_TIME_SHARE, for a
-    try of SWITCH_STEPS + 1 steps)."""
+    the holds its share of the try budget affords (half of
+    RETRY_TIME_SHARE, for a try of SWITCH_STEPS + 1 steps)."""
     chooser = ScheduleChooser()
     rates = {PLAIN: 1600.0, POLICY: 1400.0, PIPELINED: 1133.0}
     _run(chooser, 8, SAMPLED, rates, 2 * MEASURE, {PLAIN: 0.005, POLICY: 0.006, PIPELINED: 0.120})
     slower = {PLAIN: 0.008, POLICY: 0.006, PIPELINED: 0.120}
-    made = _run_holding(chooser, 8, SAMPLED, {**rates, PLAIN: 1000.0}, 12 * HOLD_STEPS, slower, context=100)
+    # Holds until the policy's try is due: its try's seconds over its share,
+    # in plain steps as the key knew them (5 ms).
+    due = (SWITCH_STEPS + 1) * slower[POLICY] / (RETRY_TIME_SHARE / 2) / 0.005 / HOLD_STEPS
+    made = _run_holding(chooser, 8, SAMPLED, {**rates, PLAIN: 1000.0}, (math.ceil(due) + 3) * HOLD_STEPS, slower,
+                        context=100)
     assert made[0].arm == PLAIN and made[0].reason == "faster"
     tries = [i for i, c in enumerate(made) if c.reason == "retry"]
     # The policy is tried first (the pipeline's steps are too long to be
@@ -434,7 +439,11 @@ def test_a_plain_streak_that_makes_no_pairs_ends_at_its_bound():
         assert made[:-1] == [ScheduleChoice(PLAIN, "measure")] * (PLAIN_SWITCH_STEPS + PLAIN_DOUBT_SAMPLES - MIN_SAMPLES)
         assert made[-1].arm == after_streak and made[-1].reason == "faster"
     tried, last = [], PLAIN
-    for _ in range(400):  # plain's steps and the policy's tries, until the pipeline's try
+    # Plain's steps and the policy's tries, until the pipeline's try: a close
+    # long loser's, due after its 0.1 s step's share of the try budget
+    # (RETRY_TIME_SHARE over the two losers, times CLOSE_LOSER_BOOST).
+    due = 0.1 / (RETRY_TIME_SHARE / 2 * CLOSE_LOSER_BOOST) / 0.005
+    for _ in range(int(1.2 * due)):
         choice = chooser.choose(8, SAMPLED)
         if choice.arm == PIPELINED:
             tried.append(choice)
@@ -805,8 +814,9 @@ def test_with_several_depths_each_arm_at_each_depth_is_measured_and_the_fastest_
     assert made[0].arm.startswith(POLICY)  # a policy's warm-up first
     assert {arm: sum(c.arm == arm for c in made) for arm in arms} == {arm: MIN_SAMPLES for arm in arms}
     # Four losers share the tries' time (RETRY_TIME_SHARE): each is tried
-    # about every 270 steps here.
-    later = _run(chooser, 4, GREEDY, rates, 1200)
+    # within 36 / RETRY_TIME_SHARE steps here (plain, the one whose try is
+    # seven steps, last).
+    later = _run(chooser, 4, GREEDY, rates, int(36 / RETRY_TIME_SHARE))
     assert [c.arm for c in later if c.reason == "faster"] == ["policy@2"] * sum(c.reason == "faster" for c in later)
     assert {c.arm for c in later if c.reason == "retry"} == set(arms) - {"policy@2"}
     assert ScheduleChoice("pipelined@2", "faster").pipelined
