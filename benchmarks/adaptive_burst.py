@@ -36,6 +36,9 @@ from vllm_loopspec.engine_internals import model_runner  # noqa: E402
 
 
 TWIN = report.BURST_TWIN  # a second native engine: the noise floor of the ratios
+# Every engine of the burst (the probes that rerun its shape use these too).
+ENGINE_ARGS = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=False,
+                   seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
 
 
 def run_timeline(llm, args, greedy_prompt: str, burst_prompts: list[str], tag: str) -> dict:
@@ -151,8 +154,7 @@ def main() -> None:
     import vllm
     from vllm import LLM
 
-    common = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=not args.compiled,
-                  seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
+    common = ENGINE_ARGS | {"enforce_eager": not args.compiled}
     spec = {"method": "loopspec"} | ({"schedule": args.schedule} if args.schedule else {})
     if args.draft_loops:
         spec["draft_loops"] = args.draft_loops if len(args.draft_loops) > 1 else args.draft_loops[0]

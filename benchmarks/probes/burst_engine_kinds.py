@@ -48,18 +48,18 @@ KINDS = ("native", "auto", "forced plain", "bare", "native twin")
 
 
 def build(kind: str):
+    """An engine of ``kind`` (a kind with a suffix, ``bare2``, is another of
+    that kind), compiled, with the burst's engine arguments."""
     from vllm import LLM
 
-    common = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=False,
-                  seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
+    checkpoint = str(ROOT / "checkpoints" / "ouro-stdlib")
     if kind.startswith("native"):
-        return LLM(str(ROOT / "checkpoints" / "ouro-stdlib"), **common)
-    llm = LLM(str(ROOT / "checkpoints" / "ouro-stdlib"),
-              speculative_config={"method": "loopspec", "schedule": "auto"}, **common)
+        return LLM(checkpoint, **adaptive_burst.ENGINE_ARGS)
+    llm = LLM(checkpoint, speculative_config={"method": "loopspec", "schedule": "auto"}, **adaptive_burst.ENGINE_ARGS)
     runner = model_runner(llm)
     if kind != "auto":
         runner.drafter.chooser.choose = types.MethodType(choose_plain, runner.drafter.chooser)
-    if kind == "bare":
+    if kind.startswith("bare"):
         bypass_runner_hooks(runner)
     return llm
 
@@ -105,7 +105,8 @@ def main() -> None:
         steady = [statistics.median(v) for i, v in sorted(by_index.items()) if i >= 8]
         summary[kind] = {"burst_vs_both_natives_median": statistics.median(around),
                          "burst_vs_both_natives_mean": statistics.mean(around),
-                         "standard_error": statistics.stdev(around) / math.sqrt(len(around)),
+                         "standard_error": statistics.stdev(around) / math.sqrt(len(around))
+                         if len(around) > 1 else float("nan"),
                          "steady_step_over_native": statistics.mean(steady) if steady else None,
                          "repeats_with_equal_steps": len(by_index.get(8, []))}
         print(f"{kind:>13}: burst over both natives median {summary[kind]['burst_vs_both_natives_median']:.3f}, "

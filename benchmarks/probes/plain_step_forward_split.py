@@ -16,32 +16,14 @@ import json
 import statistics as st
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import loopspec_decode  # noqa: E402,F401  (sets the in-process environment)
-from bare_plain_engines import bypass_runner_hooks  # noqa: E402
-from chooser_ab import choose_plain  # noqa: E402
-from loopspec_decode import ROOT, load_prompts  # noqa: E402
+import adaptive_burst  # noqa: E402,F401  (sets the in-process environment)
+from burst_engine_kinds import build  # noqa: E402
+from loopspec_decode import load_prompts  # noqa: E402
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
-
-COMMON = dict(dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=False,
-              seed=0, max_num_seqs=32, max_num_batched_tokens=8192, num_gpu_blocks_override=512)
-
-
-def build(kind: str):
-    from vllm import LLM
-
-    checkpoint = str(ROOT / "checkpoints" / "ouro-stdlib")
-    if kind.startswith("native"):
-        return LLM(checkpoint, **COMMON)
-    llm = LLM(checkpoint, speculative_config={"method": "loopspec", "schedule": "auto"}, **COMMON)
-    runner = model_runner(llm)
-    runner.drafter.chooser.choose = types.MethodType(choose_plain, runner.drafter.chooser)
-    bypass_runner_hooks(runner)
-    return llm
 
 
 def time_forward(llm, calls: list[float]) -> None:
