@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -101,6 +101,30 @@ took before the child bound it: each new start draws new ports."""
 LOG_TAIL_CHARS = 3000
 
 
+def start_drawing_ports_again(start: Callable[[], None], stop: Callable[[], None],
+                              draw_again: Callable[[int], bool], attempts: int = START_ATTEMPTS) -> int:
+    """``start()`` (start children and wait until they are healthy) until
+    one start binds its ports: where it raises :class:`PortInUse`,
+    ``stop()`` and, if ``draw_again(attempt)`` drew new ports (False: every
+    port was the caller's, nothing to redraw), start again, ``attempts`` in
+    all. Any other failure stops and raises at once: no child is left
+    behind that did not come up. Returns the attempt that came up (one
+    loop for a server and a P/D pair: :class:`VllmServer`,
+    :class:`~vllm_loopspec.disagg.launcher.PDDeployment`)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            start()
+            return attempt
+        except PortInUse:
+            stop()
+            if attempt == attempts or not draw_again(attempt):
+                raise
+        except BaseException:
+            stop()
+            raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 class VllmServer(ServerClient):
     """``vllm serve CKPT ARGS`` on 127.0.0.1; a context manager."""
 
@@ -124,20 +148,18 @@ class VllmServer(ServerClient):
         """Start and wait; a start that lost the port drawn for it (taken
         before the child bound it) is tried again on a new one,
         ``START_ATTEMPTS`` in all."""
-        for attempt in range(1, START_ATTEMPTS + 1):
+        def start_and_wait() -> None:
             self.start()
-            try:
-                self.wait_healthy()
-                self.start_attempts = attempt
-                return self
-            except PortInUse:
-                self.stop()
-                if self.port_given or attempt == START_ATTEMPTS:
-                    raise
-                self._listen_on(free_port())
-            except BaseException:
-                self.stop()  # never leave a server behind that did not come up in time
-                raise
+            self.wait_healthy()
+
+        def draw_again(attempt: int) -> bool:
+            if self.port_given:
+                return False
+            self._listen_on(free_port())
+            return True
+
+        self.start_attempts = start_drawing_ports_again(start_and_wait, self.stop, draw_again)
+        return self
 
     def start(self) -> None:
         """Start the child without waiting for it (``wait_healthy`` waits)."""

@@ -62,7 +62,8 @@ from vllm_loopspec.disagg.contract import (
     contract_from_server,
 )
 from vllm_loopspec.disagg.router import Router
-from vllm_loopspec.server_process import START_ATTEMPTS, PortInUse, ServerClient, VllmServer, free_port
+from vllm_loopspec.server_process import (START_ATTEMPTS, ServerClient, VllmServer, free_port,
+                                          start_drawing_ports_again)
 
 DEFAULT_SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--gpu-memory-utilization", "0.5",
                       "--enforce-eager")
@@ -229,27 +230,29 @@ class PDDeployment:
         port, or the NIXL side channel: patch 17 makes that one exit too);
         such a start is retried on newly drawn ports, ``attempts`` in all.
         Ports the caller gave are not redrawn: their failure is raised."""
-        for attempt in range(1, attempts + 1):
+        def start_both() -> None:
             self.prefill.start()
             self.decode.start()
-            try:
-                self.prefill.wait_healthy(self.start_timeout_s)
-                self.decode.wait_healthy(self.start_timeout_s)
-                self.start_attempts = attempt
-                return
-            except PortInUse:
-                self.decode.stop()
-                self.prefill.stop()
-                drawn = [name for name in INSTANCE_PORTS if self.given_ports[name] is None]
-                if attempt == attempts or not drawn:
-                    raise
-                for server in (self.prefill, self.decode):  # kept for a look at what failed
-                    if server.log_path and server.log_path.exists():
-                        server.log_path.rename(server.log_path.with_suffix(f".attempt{attempt}.log"))
-                print(f"P/D launcher: an instance lost a port at start (logs kept as *.attempt{attempt}.log "
-                      f"in {self.log_dir}); starting again on new ports, attempt {attempt + 1} of {attempts}",
-                      file=sys.stderr)
-                self._build_instances()
+            self.prefill.wait_healthy(self.start_timeout_s)
+            self.decode.wait_healthy(self.start_timeout_s)
+
+        def stop_both() -> None:
+            self.decode.stop()
+            self.prefill.stop()
+
+        def draw_again(attempt: int) -> bool:
+            if all(self.given_ports[name] is not None for name in INSTANCE_PORTS):
+                return False
+            for server in (self.prefill, self.decode):  # kept for a look at what failed
+                if server.log_path and server.log_path.exists():
+                    server.log_path.rename(server.log_path.with_suffix(f".attempt{attempt}.log"))
+            print(f"P/D launcher: an instance lost a port at start (logs kept as *.attempt{attempt}.log "
+                  f"in {self.log_dir}); starting again on new ports, attempt {attempt + 1} of {attempts}",
+                  file=sys.stderr)
+            self._build_instances()
+            return True
+
+        self.start_attempts = start_drawing_ports_again(start_both, stop_both, draw_again, attempts)
 
     def __exit__(self, *exc) -> None:
         self.stop()
