@@ -33,6 +33,7 @@ import loopspec_decode  # noqa: E402,F401  (sets the in-process environment)
 import report  # noqa: E402
 from loopspec_decode import RESULTS, ROOT, load_prompts  # noqa: E402
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+from host import cpu_name  # noqa: E402
 
 
 TWIN = report.BURST_TWIN  # a second native engine: the noise floor of the ratios
@@ -200,7 +201,7 @@ def main() -> None:
         "speculative_config": spec,
         "workload": {"greedy_tokens": args.greedy_tokens, "burst": 16, "burst_tokens": args.burst_tokens,
                      "burst_temperature": 0.8, "burst_after_tokens": args.burst_after_tokens},
-        "vllm": vllm.__version__, "torch": torch.__version__, "cores": os.cpu_count(),
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_name(), "cores": os.cpu_count(),
         "machine_load": list(os.getloadavg()), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         # PASSIVE makes this machine's steps 2-4x slower in one process: record it.
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),

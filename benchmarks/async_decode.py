@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
+from host import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -117,7 +117,7 @@ def main() -> None:
         "concurrency": args.concurrency, "temperatures": args.temperatures, "new_tokens": args.new_tokens,
         "repeats": args.repeats, "engine": "vLLM LLM, default compiled mode, engine core in its own process",
         "command": "python benchmarks/async_decode.py " + " ".join(sys.argv[1:]),
-        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_name(),
         "cores": os.cpu_count(), "machine_load": list(os.getloadavg()),
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime(started)),
         "wall_seconds": time.time() - started, "results": results,

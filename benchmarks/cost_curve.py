@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+from host import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -160,7 +160,7 @@ def main() -> None:
     record = {"benchmark": "cost_curve", "shapes": shapes, "dtype": "float32",
               "command": " ".join(["python", *sys.argv]),
               "vllm": vllm.__version__, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+              "cpu": cpu_name(), "cores": os.cpu_count(),
               "when": time.strftime("%Y-%m-%d %H:%M:%S")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

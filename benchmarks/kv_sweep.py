@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -62,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loopspec_decode  # noqa: E402  (shared trial machinery; sets the in-process env)
 from vllm_loopspec.engine_internals import model_runner, scheduler as engine_scheduler  # noqa: E402
+from host import cpu_name  # noqa: E402
 from loopspec_decode import (  # noqa: E402
     RESULTS, ROOT, cost_model, counter_delta, decode_trial, load_prompts, median_profile,
     total_spec_counts,
@@ -464,7 +464,7 @@ def main() -> None:
         # PASSIVE makes this machine's steps 2-4x slower in one process: record it.
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: OpenMP default)"),
         "adaptive_policies": policies,
-        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_name(),
         "isa": vector_isa(), "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "wall_seconds": time.perf_counter() - t_start,
         "results": results,

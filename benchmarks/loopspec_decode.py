@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 import uuid
@@ -36,6 +35,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_LOOPSPEC_DEBUG", "1")  # the drafter with the profiling hook
 
 from vllm_loopspec.engine_internals import model_runner  # noqa: E402
+from host import cpu_name  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -248,7 +248,7 @@ def main() -> None:
         "repeats": args.repeats, "prompts": args.prompts, "dtype": "float32",
         "temperature": args.temperature,
         "engine": "in-process vLLM V1 (VLLM_ENABLE_V1_MULTIPROCESSING=0), enforce_eager",
-        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+        "vllm": vllm.__version__, "torch": torch.__version__, "cpu": cpu_name(),
         "cores": os.cpu_count(), "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "results": results, "raw": {str(c): runs[c] for c in args.concurrency},
     }

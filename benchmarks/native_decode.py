@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
+from host import cpu_name  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -81,7 +81,7 @@ def main() -> None:
         "enforce_eager": True,
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "results": results,
     }

@@ -38,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host import cpu_name  # noqa: E402
+
 MIB = 2**20
 MIN_DESC_BYTES = 4096
 
@@ -252,7 +255,7 @@ def main() -> None:
     report = {"env": {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), "nixl": version("nixl"),
                       "nixl_module": sys.modules["nixl._api"].__name__,
                       "python": platform.python_version(),
-                      "platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+                      "platform": platform.platform(), "cpu": cpu_name(),
                       "cpu_count": os.cpu_count(),
                       "ucx": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("UCX_")},
                       "num_threads": args.num_threads, "loadavg_start": load_start, "note": args.note},
@@ -260,11 +263,6 @@ def main() -> None:
                            "warmup": 1, "min_desc_bytes": MIN_DESC_BYTES,
                            "timed": "make_prepped_xfer + transfer + poll check_xfer_state until DONE"},
               "pull_shapes": pull_shapes(), "rows": []}
-    try:
-        with open("/proc/cpuinfo") as f:
-            report["env"]["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     proc.start()
     try:
         agent = make_agent("decode", args.num_threads)
