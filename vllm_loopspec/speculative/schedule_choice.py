@@ -235,13 +235,8 @@ RETRY_BACKOFF = (8, 64)
 # held back the plain arm's tries, so a policy arm that decided plain steps
 # and had rated 14% above plain by noise ran 380 steps without a plain step
 # to pair it with, at 0.93x native (short T=0.8 c16, d2: findings,
-# thirty-first session). 1.5%, not 3%: in three A/Bs of the two shares
-# (chooser_ab_half_try_share*.json, 16 cells x 8 repeats each) the half share
-# ran 0.5-0.6% faster in the sampled cells of width 4-16, where plain wins
-# and every try is a loss (committed over half 0.990-1.000 at d1,
-# 0.993-0.995 at d2, against 1.000 and 0.999 for two equal engines), and
-# level or better over all cells (0.985-0.997 at d2).
-RETRY_TIME_SHARE = 0.015
+# thirty-first session).
+RETRY_TIME_SHARE = 0.03
 # A long loser's share, where it is close: a try loses the winner's rate
 # times its time only by the loser's shortfall, and a long arm is rated
 # from two or three steps, each off by the machine's drift (0.77-1.34x,
