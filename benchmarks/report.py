@@ -508,7 +508,7 @@ def adaptive_section(rec: dict) -> list[str]:
                         for arm in row.values())
     lines = [f"Command: `{rec['command']}` ({rec['when']}, {rec['repeats']} interleaved repeats, "
              f"engines: {rec['engine']}; OMP_WAIT_POLICY {rec.get('omp_wait_policy', 'not recorded')}; "
-             f"load average when written {fmt(rec['machine_load'][1], 1)}). "
+             f"load average when written {fmt(rec['machine_load'][1], 1)}{host_text(rec)}). "
              "Per cell (setting, temperature, concurrency): median committed tok/s of native, of the "
              f"adaptive policy at each d ({steps}), "
              "and of the best fixed (d, K) (rounds, and pipelined arms where run); `vs native` and `vs best fixed` are "
@@ -769,10 +769,17 @@ def burst_sandwich_ratios(rec: dict, window: str) -> list[float]:
             if n["windows"][window]["tokens_per_s"] and t["windows"][window]["tokens_per_s"]]
 
 
+def host_text(rec: dict) -> str:
+    """The run's CPU model where its JSON names one (``host.cpu_name``):
+    the project's host changed between sessions, at 1.5-2.2x the speed."""
+    cpu = rec.get("cpu", "")
+    return f"; CPU {cpu}" if cpu and cpu not in ("x86_64", "AMD64") else ""
+
+
 def burst_section(rec: dict, plot_name: str = "adaptive_burst.png") -> list[str]:
     summary = rec["summary"]
     twin = BURST_TWIN in rec["runs"]
-    lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}). One greedy request "
+    lines = [f"Command: `{rec['command']}` ({rec['when']}, engines: {rec['engine']}{host_text(rec)}). One greedy request "
              f"decodes {rec['workload']['greedy_tokens']} tokens; "
              + (f"after its first {rec['workload']['burst_after_tokens']} tokens a "
                 if "burst_after_tokens" in rec["workload"] else f"after {rec['workload'].get('burst_after_s')} s a ")
