@@ -223,6 +223,27 @@ def test_padded_draft_ticks_equal_native(loopspec_llms, native_llm):
     assert sizes and set(sizes) <= {4, 8, 16}
 
 
+def test_the_row_count_warm_up_writes_no_kv(loopspec_llms, native_llm):
+    """The startup warm-up (:meth:`~vllm_loopspec.speculative.drafter.LoopSpecDrafter.warm_up_row_counts`:
+    one loop of the stack and ``lm_head`` over every row count, without
+    attention metadata) run again on a serving engine changes no slot of
+    any cache layer, and greedy output after it still equals native."""
+    llm = loopspec_llms(K)
+    skip_unless_kv_readable(llm)
+    runner = model_runner(llm)
+    n_layers, loops = runner.model.config.num_hidden_layers, runner.model.num_loops
+    names = [kv_layer_name(u, i, n_layers) for u in range(loops) for i in range(n_layers)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm.generate([SHORT[2]], params, use_tqdm=False)  # some KV worth keeping
+    before = {name: kv_by_slot(llm, name) for name in names}
+    assert runner.drafter.warm_up_row_counts(24) > 0
+    for name in names:
+        for was, now in zip(before[name], kv_by_slot(llm, name)):
+            assert torch.equal(was, now), f"{name}: the warm-up wrote KV"
+    got = llm.generate([SHORT[5]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(got) == list(native_llm.generate([SHORT[5]], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
 @contextlib.contextmanager
 def _host_reads_forbidden():
     """Make every way of reading a tensor back to the host raise."""

@@ -12,10 +12,14 @@ that breaks every engine of the process (found on the first GPU run,
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_loopspec.speculative.drafter import WARM_ROW_COUNTS
 from vllm_loopspec.speculative.runner import LoopSpecRunnerMixin
+
+logger = init_logger("vllm.loopspec.cpu_worker")  # under vLLM's logger, which has the handlers
 
 
 class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
@@ -25,12 +29,18 @@ class LoopSpecCPUModelRunner(LoopSpecRunnerMixin, CPUModelRunner):
 
     def warming_up_model(self) -> None:
         """vLLM compiles the model's ``forward`` here; the round's tick is
-        compiled beside it, under the same settings."""
+        compiled beside it, under the same settings, and then run over the
+        row counts speculative steps meet (oneDNN builds a kernel per row
+        count, :meth:`~.drafter.LoopSpecDrafter.warm_up_row_counts`)."""
+        from vllm.distributed import get_pp_group
         from vllm.v1.worker.cpu_model_runner import _set_global_compilation_settings
 
         super().warming_up_model()
         with _set_global_compilation_settings(self.vllm_config):
             self.drafter.warm_up(self.max_num_tokens)
+            rows = min(self.max_num_tokens, WARM_ROW_COUNTS)
+            seconds = self.drafter.warm_up_row_counts(rows, lm_head=get_pp_group().is_last_rank)
+        logger.info("loopspec: row counts 1..%d warmed up in %.2f s", rows, seconds)
 
 
 class LoopSpecCPUWorker(CPUWorker):

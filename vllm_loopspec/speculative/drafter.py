@@ -44,6 +44,12 @@ from vllm_loopspec.speculative.metrics import LoopSpecStats
 
 logger = init_logger("vllm.loopspec.drafter")  # under vLLM's logger, which has the handlers
 
+# Row counts warmed at startup (:meth:`LoopSpecDrafter.warm_up_row_counts`):
+# 1..128 covers a pipelined step's passes and logits up to width 32 at d=1
+# and rounds' verifications up to 128 tokens, and takes 640 of oneDNN's 1024
+# cached kernels (five weight shapes), leaving the rest for prefill shapes.
+WARM_ROW_COUNTS = 128
+
 TIME_UNDER_CAP_EVERY = 8  # plain steps under the width cap: one in this many is timed
 
 PLACEHOLDER_TOKEN = 0  # vLLM schedules these slots; the round writes the real drafts
@@ -196,6 +202,37 @@ class LoopSpecDrafter:
         positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         with set_forward_context(None, config, num_tokens=num_tokens):
             self.model.model.run_tick(hidden, positions, (LoopGroup(0, 0, num_tokens),))
+
+    def warm_up_row_counts(self, max_rows: int, lm_head: bool = True) -> float:
+        """Run one loop of the layer stack, and ``lm_head`` where this rank
+        holds it, once over every row count ``1..max_rows`` at startup (no
+        attention metadata, as :meth:`warm_up`); returns the seconds it took.
+
+        On x86 CPUs vLLM's linear layers are oneDNN matmuls, and oneDNN
+        builds (JIT-compiles) a kernel the first time it meets a row count:
+        ~0.3-0.5 ms per weight shape, ~2 ms for a pass over the stack and
+        ``lm_head`` of the bundled model. A plain step meets one row count per
+        batch width; a round's or a pipelined step's passes meet many, so on
+        a fresh engine the first speculative steps at a new width paid for
+        them (a first pipelined step at width 17: 70 ms against 58), and
+        the adaptive policy measured those steps slower than they are.
+        oneDNN keeps 1024 kernels for the whole process, one per (weight
+        shape, row count): callers keep ``max_rows`` well under 1024 over
+        the model's five weight shapes (:data:`WARM_ROW_COUNTS`)."""
+        from vllm.forward_context import set_forward_context
+        from vllm_loopspec.models.ouro import LoopGroup
+
+        config, device = self.vllm_config, self.runner.device
+        start = time.perf_counter()
+        hidden = torch.zeros((max_rows, self.model.config.hidden_size),
+                             dtype=config.model_config.dtype, device=device)
+        positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        for n in range(1, max_rows + 1):
+            with set_forward_context(None, config, num_tokens=n):
+                self.model.model.run_tick(hidden[:n], positions[:n], (LoopGroup(0, 0, n),))
+            if lm_head:
+                self.model.compute_logits(hidden[:n])
+        return time.perf_counter() - start
 
     def seed_costs(self, max_rows: int) -> None:
         """Seed each depth's adaptive policy with step costs from the model's
