@@ -39,6 +39,20 @@ def add_and_prefill(llm, prompts: list[str], new_tokens: int, temperature: float
         produced.update(out.request_id for out in engine.step())
 
 
+def cell_from_argv(argv, width: int, temperature: float, reps: int):
+    """``[width] [temperature] [reps] [draft_loops] [short|long]`` of the
+    probes that replay one sweep cell, with the caller's defaults (d 1,
+    short): ``(width, temperature, reps, d, prompts, new_tokens)``, the
+    prompts and tokens of the sweep's setting (long: the long prompts,
+    192 tokens; short: the mixed ones, 128)."""
+    width = int(argv[1]) if len(argv) > 1 else width
+    temperature = float(argv[2]) if len(argv) > 2 else temperature
+    reps = int(argv[3]) if len(argv) > 3 else reps
+    d = int(argv[4]) if len(argv) > 4 else 1
+    long = len(argv) > 5 and argv[5] == "long"
+    return width, temperature, reps, d, load_prompts("long" if long else "mixed"), 192 if long else 128
+
+
 def add_sweep_protocol_args(ap) -> None:
     """The arguments of the probes that replay kv_sweep.py's protocol
     (its cells, widths and repeats) with "auto" engines of several d."""

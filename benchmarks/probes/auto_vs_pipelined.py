@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from _probe import CHECKPOINT, ENGINE_ARGS, load_prompts, run_lengths
+from _probe import CHECKPOINT, ENGINE_ARGS, cell_from_argv, run_lengths
 
 
 def main():
@@ -23,13 +23,8 @@ def main():
     from vllm_loopspec.engine_internals import model_runner
     from vllm_loopspec.speculative.schedule_choice import PIPELINED, ScheduleChoice
 
-    width = int(sys.argv[1]) if len(sys.argv) > 1 else 4
-    temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-    d = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    setting = sys.argv[5] if len(sys.argv) > 5 else "short"
-    prompts = load_prompts("long" if setting == "long" else "mixed")
-    tokens = 192 if setting == "long" else 128
+    width, temperature, reps, d, prompts, tokens = cell_from_argv(sys.argv, 4, 0.0, 8)
+    setting = "long" if tokens == 192 else "short"
     auto = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                **ENGINE_ARGS)
     # The pipelined arm auto runs: K = max_speculative_tokens (16), d2 = 2d below R.

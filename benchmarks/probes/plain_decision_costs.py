@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 
-from _probe import CHECKPOINT, ENGINE_ARGS, add_and_prefill, load_prompts, time_steps
+from _probe import CHECKPOINT, ENGINE_ARGS, add_and_prefill, cell_from_argv, time_steps
 
 
 def main() -> None:
@@ -24,13 +24,8 @@ def main() -> None:
     from vllm_loopspec.engine_internals import model_runner
     from vllm_loopspec.speculative.schedule_choice import arm_kind
 
-    width = int(sys.argv[1]) if len(sys.argv) > 1 else 8
-    temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.8
-    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 6
-    d = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    setting = sys.argv[5] if len(sys.argv) > 5 else "short"
-    prompts = load_prompts("long" if setting == "long" else "mixed")
-    tokens = 192 if setting == "long" else 128
+    width, temperature, reps, d, prompts, tokens = cell_from_argv(sys.argv, 8, 0.8, 6)
+    setting = "long" if tokens == 192 else "short"
     native = LLM(CHECKPOINT, **ENGINE_ARGS)
     auto = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                **ENGINE_ARGS)
