@@ -8,7 +8,10 @@ held (a hold of plain steps running: the cheap path), it asked the chooser
 (a plain step through the policy's planning). Steps are timed from
 ``execute_model`` to the end of ``sample_tokens`` (propose runs inside).
 
-    python benchmarks/probes/plain_decision_costs.py [width] [temperature] [reps] [draft_loops] [short|long]
+    python benchmarks/probes/plain_decision_costs.py [width] [temperature] [reps] [draft_loops] [short|long] [extra]
+
+``extra``: native engines built first and kept alive (0 by default), as the
+sweep's process holds ~20 engines beside the ones it times.
 
 Prints per decision kind: steps, median ms, and native's median step.
 """
@@ -26,6 +29,7 @@ def main() -> None:
 
     width, temperature, reps, d, prompts, tokens = cell_from_argv(sys.argv, 8, 0.8, 6)
     setting = "long" if tokens == 192 else "short"
+    extra = [LLM(CHECKPOINT, **ENGINE_ARGS) for _ in range(int(sys.argv[6]) if len(sys.argv) > 6 else 0)]
     native = LLM(CHECKPOINT, **ENGINE_ARGS)
     auto = LLM(CHECKPOINT, speculative_config={"method": "loopspec", "draft_loops": d, "schedule": "auto"},
                **ENGINE_ARGS)
@@ -81,7 +85,8 @@ def main() -> None:
                 for kind, (spec, n, s) in zip(kinds, samples[name]):
                     by_kind.setdefault(kind if not spec else f"{kind} [speculative step]", []).append(1e3 * s)
         time.sleep(0)
-    print(f"width {width}, T={temperature}, {setting}, d={d}, {reps} repeats: native step median "
+    print(f"width {width}, T={temperature}, {setting}, d={d}, {reps} repeats, {len(extra)} extra engines: "
+          f"native step median "
           f"{statistics.median(native_ms):.3f} ms ({len(native_ms)} steps)")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -len(kv[1])):
         print(f"  auto, decided {kind}: {len(ms)} steps, median {statistics.median(ms):.3f} ms")
