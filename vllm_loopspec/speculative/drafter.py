@@ -214,8 +214,10 @@ class LoopSpecDrafter:
         ``lm_head`` of the bundled model. A plain step meets one row count per
         batch width; a round's or a pipelined step's passes meet many, so on
         a fresh engine the first speculative steps at a new width paid for
-        them (a first pipelined step at width 17: 70 ms against 58), and
-        the adaptive policy measured those steps slower than they are.
+        them (a fresh engine's first pipelined step at width 17: median
+        69.8 ms without this, 64.2 ms with it, over 8 runs each; findings,
+        fifty-second session), and the adaptive policy measured those
+        steps slower than they are.
         oneDNN keeps 1024 kernels for the whole process, one per (weight
         shape, row count): callers keep ``max_rows`` well under 1024 over
         the model's five weight shapes (:data:`WARM_ROW_COUNTS`)."""
