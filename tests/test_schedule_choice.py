@@ -549,6 +549,44 @@ def test_the_steps_after_a_switch_of_arm_are_not_samples_unless_long():
     assert chooser.rates(4, SAMPLED)[PLAIN][1] == MIN_SAMPLES + 1 and chooser.rates(4, SAMPLED)[PIPELINED][1] == 2
 
 
+def test_an_untimed_step_counts_in_the_run_its_successors_settle_in():
+    """The engine does not time an arm's first step at a width (:meth:`skip`
+    tells the chooser it ran): the plain steps after it are still paying the
+    switch from the pipelined step before it, and are no samples. Untold,
+    the second plain step after the switch looked settled."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, after=PLAIN)
+    chooser.skip(PLAIN, after=PIPELINED)  # the first plain step at this width: untimed
+    for _ in range(PLAIN_SWITCH_STEPS - 1):
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0029, after=PLAIN)  # still paying the switch
+    assert chooser.rates(8, SAMPLED)[PLAIN] == (400.0, MIN_SAMPLES)
+    chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)  # settled: a sample
+    assert chooser.rates(8, SAMPLED)[PLAIN] == (400.0, MIN_SAMPLES + 1)
+    # A step of another arm in between: the untimed step starts a new run.
+    chooser.skip(POLICY, after=PLAIN)
+    chooser.observe(8, SAMPLED, POLICY, 8, 0.003, after=POLICY)
+    assert chooser.rates(8, SAMPLED)[POLICY] == (0.0, 0)
+
+
+def test_a_hold_that_began_inside_a_switch_is_no_sample():
+    """A hold's steps are timed together (:meth:`credit_held`): where the
+    hold began right after a switch, its span carries the settling steps'
+    slowness, and is no sample of plain; a hold after settled plain steps is."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)
+    chooser.choose(8, SAMPLED)
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, after=PLAIN)
+    chooser.observe(8, SAMPLED, PLAIN, 8, 0.0034, after=PIPELINED)  # the chosen step of a hold: no sample
+    chooser.credit_held(10, 9, 9 * 0.0027)  # its held steps, the first four still settling
+    assert chooser.rates(8, SAMPLED)[PLAIN] == (400.0, MIN_SAMPLES)
+    chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)  # settled by now: a sample
+    chooser.credit_held(10, 9, 9 * 0.0025)
+    assert chooser.rates(8, SAMPLED)[PLAIN] == (400.0, MIN_SAMPLES + 2)
+
+
 def test_a_pipeline_level_with_settled_plain_steps_leaves_the_steps_to_plain():
     """Width 4, short prompts, T=0.8 (``arm_rates_forced_short_c4_t08.txt``):
     plain steps take 3.0 ms in a run of them; after a pipelined step, or a

@@ -148,6 +148,10 @@ class LoopSpecDrafter:
         # its start; then the last step's, with its seconds.
         self._choice_step: tuple[int, int, int, str, bool, str | None, float] | None = None
         self._choice_timed: tuple[int, int, int, str, bool, str | None, float] | None = None
+        # Async: a chosen step not observed (the first at a width, the
+        # policy's warm-up), told to the chooser after the step before it
+        # is observed (one step late there).
+        self._unobserved: tuple[str, str] | None = None
         self._running_arm: str = UNCHOSEN  # the arm of the running step, if the chooser chose it
         self._choice_shapes: set[tuple[str, int]] = set()  # (arm, width) of timed steps
         self.step_drafts, self.step_arm = 0, None
@@ -444,17 +448,18 @@ class LoopSpecDrafter:
         self._last_num_drafts = None
 
     def _count_committed(self, committed: "_Committed | None") -> None:
-        if committed is None:
-            return
-        counts = committed.counts.tolist()
-        if self._choice_timed is not None:
+        counts = committed.counts.tolist() if committed is not None else None
+        if committed is not None and self._choice_timed is not None:
             # Async: the step timed when the next one started committed these.
             width, mix, context, arm, declined, after, seconds = self._choice_timed
             lag = self._lag_added(PLAIN if declined else arm, committed.req_ids, counts)
             self.chooser.observe(width, mix, arm, sum(counts), seconds, context, after=after, declined=declined,
                                  lag=lag)
             self._choice_timed = None
-        if committed.num_drafts is None:
+        if self._unobserved is not None:  # the step after the one just observed
+            self.chooser.skip(*self._unobserved)
+            self._unobserved = None
+        if committed is None or committed.num_drafts is None:
             return
         for row, k in enumerate(committed.num_drafts):
             if k and row < len(counts):
@@ -671,6 +676,19 @@ class LoopSpecDrafter:
         self._choice_shapes.add(shape)
         if not first and not warming_up:
             self._choice_step = (*choice, after, now)
+        elif self.runner.use_async_scheduling:
+            self._unobserved = (arm, after)
+        else:
+            # No sample, but a step of its arm: the chooser counts it in the
+            # run its next steps settle in. Uncounted, the next step of the
+            # arm looked settled however soon after a switch it came: at
+            # short T=0.8 c8, d2, an engine's first plain steps at width 8,
+            # right after pipelined ones, rated plain from the five after
+            # the first (2.7-2.9 ms against 2.5 settled), and a pipeline
+            # that delivers no more than plain steps won the key on them for
+            # the rest of the run (benchmarks/results/findings.md,
+            # fifty-third session).
+            self.chooser.skip(arm, after)
 
     def step_finished(self) -> None:
         if self._step_shape is None:

@@ -495,18 +495,29 @@ class ScheduleChooser:
         Those are one sample of the plain arm: without it a plain verdict
         would rest on the chosen steps between holds alone (one in
         :data:`HOLD_STEPS`), and on the samples it started from, perhaps an
-        adjacent context's (:meth:`_fill_from_neighbours`)."""
+        adjacent context's (:meth:`_fill_from_neighbours`). Not where the
+        hold began inside a switch's settling steps (:data:`PLAIN_SWITCH_STEPS`):
+        timed as one, the span carries their slowness, as a step does."""
         key = self._last_key
         if key is None or steps <= 0:
             return
         key.steps += steps
-        self._run = (PLAIN, (self._run[1] if self._run[0] == PLAIN else 0) + steps)
+        run = self._run[1] if self._run[0] == PLAIN else 0
+        settled = self._run[0] == PLAIN and run + 1 >= PLAIN_SWITCH_STEPS
+        self._run = (PLAIN, run + steps)
         for arm in self.arms:
             key.since_try[arm] += steps
         self.decisions[(PLAIN, "faster")] = self.decisions.get((PLAIN, "faster"), 0) + steps
-        if timed > 0 and seconds > 0:
+        if timed > 0 and seconds > 0 and settled:
             self._update(key, PLAIN, timed, seconds, steps=timed)
             self._pair(key, self._last_where, PLAIN, timed / seconds)
+
+    def skip(self, arm: str, after: str | None) -> None:
+        """A step of ``arm`` that ran after one of ``after`` (as in
+        :meth:`observe`) and is no sample (the engine does not time an arm's
+        first step at a width, nor the policy's warm-up): it still counts in
+        the run of ``arm`` that its next steps settle in (:func:`switch_steps`)."""
+        self._run_before(arm, after)
 
     def observe(self, width: int, mix: int, arm: str, committed: int, seconds: float, context: int = 0,
                 after: str | None = None, declined: bool = False, lag: float = 0.0) -> None:
@@ -578,8 +589,8 @@ class ScheduleChooser:
         """Steps of ``arm`` in a row before this observed one; None where
         ``after`` is not known (the step counts as settled). After
         :data:`UNCHOSEN` or another arm: 0. A step after one of its own arm
-        that the chooser did not observe (the policy's warm-up, a held
-        span) comes after a settled run."""
+        that the chooser neither observed nor was told of (:meth:`skip`,
+        :meth:`credit_held`) comes after a settled run."""
         if after is None:
             self._run = (arm, switch_steps(arm))
             return None
