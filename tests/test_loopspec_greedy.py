@@ -198,6 +198,47 @@ def test_auto_step_chosen_pipelined_runs_plain_when_requests_arrive(loopspec_llm
     assert drafter.stats.pipelined_steps > 0
 
 
+def test_auto_observes_a_batch_s_last_step_timed_to_its_end(loopspec_llms, prompts, native_reference):
+    """A batch's last step (its next step brings new requests) is observed
+    by the chooser, timed to its own end plus the recent gaps between steps,
+    not to the next batch's first step (the engine idled in between): a
+    pipelined step cut short by ``max_tokens`` counts against its arm."""
+    import time
+
+    from vllm_loopspec.speculative.schedule_choice import PIPELINED, ScheduleChoice
+
+    llm = engine(loopspec_llms, AUTO)
+    drafter = model_runner(llm).drafter
+    chooser, core = drafter.chooser, llm.llm_engine
+    observed = []
+
+    def observe(width, mix, arm, committed, seconds, *args, **kwargs):
+        observed.append((arm, committed, seconds))
+
+    chooser.choose = lambda width, mix, context=0, in_flight=None: ScheduleChoice(PIPELINED, "measure")
+    chooser.observe = observe
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    try:
+        core.add_request("first", prompts[0], params)
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    assert list(out.outputs[0].token_ids) == native_reference[(prompts[0], 30)]
+        during, last_tokens = len(observed), drafter._step_committed
+        time.sleep(0.3)  # the engine idles between the batches
+        core.add_request("second", prompts[1], params)
+        core.step()  # the next batch's first step: the last one is observed now
+        assert len(observed) == during + 1, observed
+        arm, committed, seconds = observed[-1]
+        assert arm == PIPELINED and committed == last_tokens and 0 < seconds < 0.3, observed[-1]
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    assert list(out.outputs[0].token_ids) == native_reference[(prompts[1], 30)]
+    finally:
+        del chooser.choose, chooser.observe
+
+
 def test_auto_plain_hold_asks_the_chooser_again_when_the_batch_changes(loopspec_llms, prompts, native_reference):
     """A plain verdict's hold (ScheduleChoice.hold) runs the next steps plain
     without a choice, and credits them to the chooser with their time; a

@@ -23,6 +23,7 @@ The served model is the draft model: its loops ``[0, d)``.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,6 +153,11 @@ class LoopSpecDrafter:
         # policy's warm-up), told to the chooser after the step before it
         # is observed (one step late there).
         self._unobserved: tuple[str, str] | None = None
+        # The end of the running chosen step (its start, then its end), and
+        # the last few gaps from a chosen step's end to the next start:
+        # the seconds of a batch's last step (see _time_schedule_choice).
+        self._choice_end: tuple[float, float] | None = None
+        self._choice_gaps: deque = deque(maxlen=8)
         self._running_arm: str = UNCHOSEN  # the arm of the running step, if the chooser chose it
         self._choice_shapes: set[tuple[str, int]] = set()  # (arm, width) of timed steps
         self.step_drafts, self.step_arm = 0, None
@@ -631,13 +637,33 @@ class LoopSpecDrafter:
         scheduling is synchronous, one step later under async), and the
         running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
-        if last is not None and not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
+        end, self._choice_end = self._choice_end, None
+        if last is not None:
             width, mix, context, arm, declined, after, start = last
+            seconds = now - start
             if self.runner.use_async_scheduling:
-                self._choice_timed = (width, mix, context, arm, declined, after, now - start)
+                if not scheduler_output.scheduled_new_reqs:  # else the engine may have idled
+                    self._choice_timed = (width, mix, context, arm, declined, after, seconds)
             elif self._step_rated is not None:
-                self.chooser.observe(width, mix, arm, self._step_rated, now - start, context, after=after,
-                                     declined=declined, lag=self._step_lag)
+                ended = end[1] if end is not None and end[0] == start else None
+                if not scheduler_output.scheduled_new_reqs:
+                    if ended is not None:
+                        self._choice_gaps.append(now - ended)
+                elif ended is not None:
+                    # A batch's last step (or the last before arrivals): the
+                    # engine may have idled since it ended, so it is timed to
+                    # its end, plus the recent gaps between steps. Untimed, it
+                    # was no sample: a pipelined step cut short by max_tokens
+                    # (8 tokens a request in ~25 ms against 17 in ~41, width 8,
+                    # T=0.8, d2; native's steps for the same tokens ~20 ms:
+                    # probes/pipelined_trial_steps.py) never counted against
+                    # its arm where batches end (findings, fifty-third session).
+                    seconds = ended - start + (float(np.median(self._choice_gaps)) if self._choice_gaps else 0.0)
+                else:
+                    seconds = 0.0  # the engine may have idled: no sample
+                if seconds > 0:
+                    self.chooser.observe(width, mix, arm, self._step_rated, seconds, context, after=after,
+                                         declined=declined, lag=self._step_lag)
         choice, self._next_choice = self._next_choice, None
         held, self._next_held = self._next_held, False
         after, self._running_arm = self._running_arm, PLAIN if held else UNCHOSEN
@@ -691,6 +717,8 @@ class LoopSpecDrafter:
             self.chooser.skip(arm, after)
 
     def step_finished(self) -> None:
+        if self._choice_step is not None:
+            self._choice_end = (self._choice_step[-1], time.perf_counter())
         if self._step_shape is None:
             return
         self._step_end = time.perf_counter()
