@@ -9,9 +9,15 @@ key and arm the median rate of the samples, against native's per-step rate
 at that key (native steps timed from start to next start, every step of
 the decode). Prints only.
 
-    python benchmarks/probes/chooser_samples_trace.py D WIDTH TEMPERATURE short|long
+With a fifth argument, a context bucket: also every choice made and every
+step observed from that context bucket on, as they happen (the choice, the
+arms' rates with samples and own samples, their pairs; the observed step's
+arm, the arm before it, rate and seconds, and whether it became a sample).
+
+    python benchmarks/probes/chooser_samples_trace.py D WIDTH TEMPERATURE short|long [FROM_CONTEXT]
 """
 import collections
+import math
 import statistics
 import sys
 import time
@@ -52,6 +58,8 @@ def main() -> None:
         credit(steps, timed, seconds)
 
     chooser.observe, chooser.credit_held = logged_observe, logged_credit
+    if len(sys.argv) > 5:
+        log_choices_from(chooser, int(sys.argv[5]))
     drafter = model_runner(auto).drafter
     started = drafter.step_started
     auto_steps = []  # (arm, start, decode-only width) of every auto step
@@ -119,6 +127,40 @@ def main() -> None:
     for (b, c), key in sorted(((w[0], w[2]), k) for w, k in chooser._keys.items()):
         print(f"chooser rates at width bucket {b} context bucket {c}:",
               {a: (round(r.rate, 1), r.samples) for a, r in key.arms.items()})
+
+
+def log_choices_from(chooser, context_bucket: int) -> None:
+    """Print every choice and observed step of ``chooser`` at context
+    buckets from ``context_bucket`` on, as they happen."""
+    from vllm_loopspec.speculative.schedule_choice import _where
+
+    choose, observe = chooser.choose, chooser.observe
+
+    def describe(key) -> str:
+        rates = {a: f"{r.rate:.0f}({r.samples}/{r.own}{'b' if r.borrowed else ''})" for a, r in key.arms.items()}
+        pairs = {f"{a}/{o}": f"{math.exp(statistics.median(p)):.2f}({len(p)})"
+                 for (a, o), p in key.pairs.items() if p and a < o}
+        return f"rates {rates} pairs {pairs}"
+
+    def logged_choose(width, mix, context=0, in_flight=None):
+        choice = choose(width, mix, context, in_flight)
+        where = _where(width, mix, context)
+        if where[2] >= context_bucket:
+            print(f"    choose  w{where[0]} c{where[2]}: {choice.arm}/{choice.reason} hold {choice.hold}, "
+                  f"in flight {in_flight}, {describe(chooser._keys[where])}", flush=True)
+        return choice
+
+    def logged_observe(width, mix, arm, committed, seconds, context=0, after=None, declined=False, lag=0.0):
+        where = _where(width, mix, context)
+        key = chooser._key(where)
+        before = key.arms[arm].own
+        observe(width, mix, arm, committed, seconds, context, after=after, declined=declined, lag=lag)
+        if where[2] >= context_bucket:
+            print(f"    observe w{where[0]} c{where[2]}: {arm} after {after}, {committed / width / seconds:.0f} "
+                  f"tokens/s per request, {seconds * 1e3:.1f} ms, "
+                  f"{'a sample' if key.arms[arm].own > before else 'no sample'}", flush=True)
+
+    chooser.choose, chooser.observe = logged_choose, logged_observe
 
 
 if __name__ == "__main__":
