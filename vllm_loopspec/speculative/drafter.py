@@ -634,8 +634,9 @@ class LoopSpecDrafter:
     def _time_schedule_choice(self, now: float, scheduler_output) -> None:
         """``"auto"``: the last decode step's seconds, start to this start
         (its rate is observed with its committed tokens: known now when
-        scheduling is synchronous, one step later under async), and the
-        running step's choice if it is the decode step it was chosen for."""
+        scheduling is synchronous, one step later under async; a batch's
+        last step, start to its end plus the recent gaps between steps), and
+        the running step's choice if it is the decode step it was chosen for."""
         last, self._choice_step, self._choice_timed = self._choice_step, None, None
         end, self._choice_end = self._choice_end, None
         if last is not None:
@@ -654,8 +655,8 @@ class LoopSpecDrafter:
                     # engine may have idled since it ended, so it is timed to
                     # its end, plus the recent gaps between steps. Untimed, it
                     # was no sample: a pipelined step cut short by max_tokens
-                    # (8 tokens a request in ~25 ms against 17 in ~41, width 8,
-                    # T=0.8, d2; native's steps for the same tokens ~20 ms:
+                    # (width 8, T=0.8, d2: 8 tokens a request in 22-23 ms,
+                    # native's steps for the same tokens 17-18 ms:
                     # probes/pipelined_trial_steps.py) never counted against
                     # its arm where batches end (findings, fifty-third session).
                     seconds = ended - start + (float(np.median(self._choice_gaps)) if self._choice_gaps else 0.0)
@@ -710,10 +711,10 @@ class LoopSpecDrafter:
             # arm looked settled however soon after a switch it came: at
             # short T=0.8 c8, d2, an engine's first plain steps at width 8,
             # right after pipelined ones, rated plain from the five after
-            # the first (2.7-2.9 ms against 2.5 settled), and a pipeline
-            # that delivers no more than plain steps won the key on them for
-            # the rest of the run (benchmarks/results/findings.md,
-            # fifty-third session).
+            # the first (2.6-2.9 ms; settled plain steps 2.0-2.15 ms in that
+            # run), and a pipeline that delivers no more than plain steps
+            # won the key on them for the rest of the run
+            # (benchmarks/results/findings.md, fifty-third session).
             self.chooser.skip(arm, after)
 
     def step_finished(self) -> None:
