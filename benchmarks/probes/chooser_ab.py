@@ -153,6 +153,16 @@ def choose_half_try_share(self, key, where, in_flight):
                                lambda: type(self)._choose(self, key, where, in_flight))
 
 
+def time_choice_without_last_step(self, now, scheduler_output):
+    """The drafter's ``_time_schedule_choice`` before a batch's last step
+    was observed (``473cce5``, fifty-third session): a step followed by one
+    with new requests was no sample (the engine may have idled since it
+    ended, and its end was not kept)."""
+    if scheduler_output.scheduled_new_reqs:
+        self._choice_end = None
+    return type(self)._time_schedule_choice(self, now, scheduler_output)
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -167,7 +177,7 @@ def choose_plain_after_learning(self, width, mix, context=0, in_flight=None):
 
 
 # rule -> the chooser methods it replaces on the "old" engines' choosers
-# ("owner.method" names: an attribute of the drafter's)
+# ("owner.method" names: an attribute of the drafter's; "drafter.method": the drafter's own)
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
              "relative_borrow": [("_fill_from_neighbours", fill_raw), ("_update", update_mixing_borrowed)],
              "pairs_stale": [("_update", update_keeping_stale_pairs)],
@@ -181,6 +191,7 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "no_plain_doubt": [("_choose", choose_without_plain_doubt)],
              "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)],
              "half_try_share": [("_choose", choose_half_try_share)],
+             "no_last_step": [("drafter._time_schedule_choice", time_choice_without_last_step)],
              # nothing replaced: two engines of the committed chooser, the A/B's own spread
              "identical": []}
 
@@ -205,7 +216,7 @@ def main():
                 drafter = model_runner(llm).drafter
                 for method, replacement in replacements:
                     owner, _, method = method.rpartition(".")
-                    target = getattr(drafter, owner) if owner else drafter.chooser
+                    target = drafter if owner == "drafter" else getattr(drafter, owner) if owner else drafter.chooser
                     static = isinstance(type(target).__dict__.get(method), staticmethod)
                     setattr(target, method, replacement if static else types.MethodType(replacement, target))
             engines[f"d{d} {version}"] = llm
