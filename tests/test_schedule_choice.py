@@ -587,6 +587,28 @@ def test_a_hold_that_began_inside_a_switch_is_no_sample():
     assert chooser.rates(8, SAMPLED)[PLAIN] == (400.0, MIN_SAMPLES + 2)
 
 
+def test_a_hold_s_span_pairs_only_with_samples_a_few_steps_before_its_end():
+    """A hold's steps are timed as one sample at the span's end
+    (:meth:`credit_held`), many steps after a sample taken before the hold:
+    the span's steps count on the pairs' clock (PAIR_GAP), so that it does
+    not pair with a pipelined step from before a hold of thirty steps."""
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)
+    chooser.choose(8, SAMPLED)
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, after=PLAIN)  # pairs with plain's last sample
+    for step in range(PLAIN_SWITCH_STEPS):  # settling: no samples
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0030, after=PIPELINED if step == 0 else PLAIN)
+    chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)  # settled: pairs with the pipelined step
+    pairs = chooser._keys[(3, SAMPLED, 0)].pairs[(PIPELINED, PLAIN)]
+    assert len(pairs) == 2
+    chooser.credit_held(HOLD_STEPS, HOLD_STEPS - 1, (HOLD_STEPS - 1) * 0.0025)
+    assert chooser.rates(8, SAMPLED)[PLAIN][1] == MIN_SAMPLES + 2  # a sample of plain
+    assert len(pairs) == 2  # but no pair with the pipelined step before the hold
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, after=PLAIN)  # one right after the span is
+    assert len(pairs) == 3
+
+
 def test_a_pipeline_level_with_settled_plain_steps_leaves_the_steps_to_plain():
     """Width 4, short prompts, T=0.8 (``arm_rates_forced_short_c4_t08.txt``):
     plain steps take 3.0 ms in a run of them; after a pipelined step, or a

@@ -163,6 +163,16 @@ def time_choice_without_last_step(self, now, scheduler_output):
     return type(self)._time_schedule_choice(self, now, scheduler_output)
 
 
+def credit_held_as_one_tick(self, steps, timed=0, seconds=0.0):
+    """``credit_held`` before a held span's steps counted on the pairs'
+    clock (fifty-fourth session): the span was one sample's tick, so it
+    paired with a sample of another arm taken up to PAIR_GAP samples before
+    the hold began, however many steps the hold ran."""
+    if self._last_key is not None and steps > 0:
+        self._clock -= steps - 1  # the committed method adds them back
+    return type(self).credit_held(self, steps, timed, seconds)
+
+
 CURRENT_REPEAT = 0  # set by main: the repeat being run
 
 
@@ -192,6 +202,7 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "no_doubt_max_lead": [("_choose", choose_without_doubt_max_lead)],
              "half_try_share": [("_choose", choose_half_try_share)],
              "no_last_step": [("drafter._time_schedule_choice", time_choice_without_last_step)],
+             "held_span_one_tick": [("credit_held", credit_held_as_one_tick)],
              # nothing replaced: two engines of the committed chooser, the A/B's own spread
              "identical": []}
 

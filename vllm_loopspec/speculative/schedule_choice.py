@@ -257,8 +257,9 @@ CLOSE_LOSER_BOOST = 4.0
 # token a step, and a verdict is kept no further than this from where it was made.
 HOLD_STEPS = 32
 # Paired comparisons: a sample of one arm and the last sample of another at
-# the same width bucket and mix, at most this many observed steps apart,
-# are a pair; their rates' ratio is free of the machine's speed, which
+# the same width bucket and mix, at most this many samples apart (the
+# steps after a switch, no samples, do not count; a held span counts its
+# steps, :meth:`ScheduleChooser.credit_held`), are a pair; their rates' ratio is free of the machine's speed, which
 # drifts by tens of percent over seconds (``probes/adjacent.py``: two
 # identical engines' trials differ by 0.84-1.17x when adjacent, 0.77-1.34x
 # nineteen trials apart), while the two arms' windows are measured at
@@ -502,6 +503,11 @@ class ScheduleChooser:
         if key is None or steps <= 0:
             return
         key.steps += steps
+        # The span is one sample, at its end: its steps are steps on the
+        # pairs' clock (PAIR_GAP), so that it pairs only with a sample a few
+        # steps before that end, not with one taken before a hold of up to
+        # HOLD_STEPS steps (a pair is one moment of the machine's speed).
+        self._clock += steps - 1
         run = self._run[1] if self._run[0] == PLAIN else 0
         settled = self._run[0] == PLAIN and run + 1 >= PLAIN_SWITCH_STEPS
         self._run = (PLAIN, run + steps)
