@@ -591,7 +591,7 @@ def test_a_hold_s_span_pairs_only_with_samples_a_few_steps_before_its_end():
     """A hold's steps are timed as one sample at the span's end
     (:meth:`credit_held`), many steps after a sample taken before the hold:
     the span's steps count on the pairs' clock (PAIR_GAP), so that it does
-    not pair with a pipelined step from before a hold of thirty steps."""
+    not pair with a pipelined step from before a hold of HOLD_STEPS steps."""
     chooser = ScheduleChooser()
     for _ in range(MIN_SAMPLES):
         chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, after=PLAIN)

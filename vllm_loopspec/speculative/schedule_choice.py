@@ -259,11 +259,12 @@ HOLD_STEPS = 32
 # Paired comparisons: a sample of one arm and the last sample of another at
 # the same width bucket and mix, at most this many samples apart (the
 # steps after a switch, no samples, do not count; a held span counts its
-# steps, :meth:`ScheduleChooser.credit_held`), are a pair; their rates' ratio is free of the machine's speed, which
-# drifts by tens of percent over seconds (``probes/adjacent.py``: two
-# identical engines' trials differ by 0.84-1.17x when adjacent, 0.77-1.34x
-# nineteen trials apart), while the two arms' windows are measured at
-# different times (the winner's now, a loser's over its spaced tries).
+# steps, :meth:`ScheduleChooser.credit_held`), are a pair; their rates'
+# ratio is free of the machine's speed, which drifts by tens of percent
+# over seconds (``probes/adjacent.py``: two identical engines' trials
+# differ by 0.84-1.17x when adjacent, 0.77-1.34x nineteen trials apart),
+# while the two arms' windows are measured at different times (the
+# winner's now, a loser's over its spaced tries).
 PAIR_GAP = 3
 PAIR_WINDOW = 8  # an arm pair's ratio: the median of its last this many pairs
 MIN_PAIRS = 3  # pairs before they overrule the rates
