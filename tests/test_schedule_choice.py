@@ -7,7 +7,7 @@ from collections import deque
 
 from vllm_loopspec.speculative import schedule_choice
 from vllm_loopspec.speculative.adaptive import GREEDY, SAMPLED
-from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, CLOSE_LOSER_BOOST, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
+from vllm_loopspec.speculative.schedule_choice import (ARMS, BORROWED_STEPS, CLOSE_LOSER_BOOST, CONTEXT_UNIT, MIN_SAMPLES, PIPELINED, PLAIN, POLICY, RETRY_BACKOFF,
                                                       HOLD_STEPS, MIN_PAIRS, PAIR_GAP, RATE_WINDOW, SPECULATION_MARGIN, RETRY_TIME_SHARE, SWITCH_STEPS, UNCHOSEN,
                                                       PLAIN_SWITCH_STEPS, switch_steps,
                                                       ScheduleChoice, ScheduleChooser)
@@ -607,6 +607,28 @@ def test_a_hold_s_span_pairs_only_with_samples_a_few_steps_before_its_end():
     assert len(pairs) == 2  # but no pair with the pipelined step before the hold
     chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, after=PLAIN)  # one right after the span is
     assert len(pairs) == 3
+
+
+def test_a_step_after_the_batch_turned_over_pairs_with_no_step_of_the_longer_rows():
+    """Rows only grow, so a sample at a shorter context bucket than the
+    last one's comes from a new batch: its steps are faster whatever the
+    arm, and paired with the old batch's pipelined step it would rate plain
+    for the rows' length (``pair_ages_d2_c4_t08_short_cd7d61e_fiftyfourth.txt``,
+    plain at bucket 0 against pipelined at bucket 2). Within a batch a step
+    one bucket on still pairs with the one before it."""
+    bucket_2, bucket_1, bucket_0 = 2 * CONTEXT_UNIT, CONTEXT_UNIT, 0
+    chooser = ScheduleChooser()
+    for _ in range(MIN_SAMPLES):  # the old batch
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0030, bucket_2, after=PLAIN)
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.049, bucket_2, after=PLAIN)  # its last step, a sample
+    assert chooser._keys[(3, SAMPLED, 2)].pairs[(PIPELINED, PLAIN)]
+    for step in range(PLAIN_SWITCH_STEPS):  # the new batch's first plain steps: settling, no samples
+        chooser.observe(8, SAMPLED, PLAIN, 8, 0.0030, bucket_0, after=PIPELINED if step == 0 else PLAIN)
+    chooser.observe(8, SAMPLED, PLAIN, 8, 0.0025, bucket_0, after=PLAIN)  # one sample after the pipelined one
+    assert chooser.rates(8, SAMPLED, bucket_0)[PLAIN][1] == 1
+    assert not chooser._keys[(3, SAMPLED, 0)].pairs
+    chooser.observe(8, SAMPLED, PIPELINED, 8 * 17, 0.041, bucket_1, after=None)  # later in the new batch
+    assert len(chooser._keys[(3, SAMPLED, 1)].pairs[(PIPELINED, PLAIN)]) == 1
 
 
 def test_a_pipeline_level_with_settled_plain_steps_leaves_the_steps_to_plain():

@@ -186,6 +186,23 @@ def choose_plain_after_learning(self, width, mix, context=0, in_flight=None):
     return type(self).choose(self, width, mix, context, in_flight)
 
 
+def pair_from_longer_rows(self, key, where, arm, rate):
+    """``_pair`` before the fifty-fifth session: a sample pairs with another
+    arm's last one at a longer context bucket too (one taken before the
+    batch turned over). The committed method, with each stored sample's
+    bucket read as no longer than this one's for the call."""
+    last = self._last_sample.get(where[:2], {})
+    saved = dict(last)
+    for other, (when, other_rate, context) in saved.items():
+        last[other] = (when, other_rate, min(context, where[2]))
+    try:
+        return type(self)._pair(self, key, where, arm, rate)
+    finally:
+        for other, sample in saved.items():
+            if other != arm:
+                last[other] = sample
+
+
 # rule -> the chooser methods it replaces on the "old" engines' choosers
 # ("owner.method" names: an attribute of the drafter's; "drafter.method": the drafter's own)
 OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_losers)],
@@ -203,6 +220,7 @@ OLD_RULES = {"long_loser_borrow": [("_fill_from_neighbours", fill_without_long_l
              "half_try_share": [("_choose", choose_half_try_share)],
              "no_last_step": [("drafter._time_schedule_choice", time_choice_without_last_step)],
              "held_span_one_tick": [("credit_held", credit_held_as_one_tick)],
+             "pairs_from_longer_rows": [("_pair", pair_from_longer_rows)],
              # nothing replaced: two engines of the committed chooser, the A/B's own spread
              "identical": []}
 

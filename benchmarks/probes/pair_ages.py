@@ -46,11 +46,13 @@ def main() -> None:
 
     def recording_pair(key, where, arm, rate):
         # The samples this one pairs with, read as _pair reads them (keyed
-        # by width bucket and mix before the fifty-fourth session, by the
-        # whole key since).
+        # by width bucket and mix, or by the whole key in the reverted
+        # change of the fifty-fourth session; none from a longer context
+        # bucket since the fifty-fifth, which stores the bucket).
         last = chooser._last_sample.get(where) or chooser._last_sample.get(where[:2]) or {}
-        for other, (when, other_rate) in last.items():
-            if other != arm and chooser._clock + 1 - when <= sc.PAIR_GAP and other_rate > 0 and rate > 0:
+        for other, (when, other_rate, *context) in last.items():
+            if (other != arm and chooser._clock + 1 - when <= sc.PAIR_GAP and other_rate > 0 and rate > 0
+                    and all(c <= where[2] for c in context)):
                 step, bucket = stamps.get(where[:2], {}).get(other, (None, None))
                 made.append((state["held"], arm, other, None if step is None else state["step"] - step,
                              where[2], bucket))

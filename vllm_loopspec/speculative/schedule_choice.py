@@ -397,7 +397,8 @@ class ScheduleChooser:
         self._last_key: _Key | None = None  # the key of the last choice
         self._last_where: tuple[int, int, int] = (0, 0, 0)  # and where it is
         self._clock = 0  # samples observed, at any key
-        self._last_sample: dict[tuple[int, int], dict[str, tuple[int, float]]] = {}  # (bucket, mix) -> arm -> (clock, rate)
+        # (width bucket, mix) -> arm -> (clock, rate, context bucket)
+        self._last_sample: dict[tuple[int, int], dict[str, tuple[int, float, int]]] = {}
 
     def choose(self, width: int, mix: int, context: int = 0, in_flight: str | None = None) -> ScheduleChoice:
         """The arm of the next step of ``width`` decoding requests of
@@ -632,20 +633,28 @@ class ScheduleChooser:
 
     def _pair(self, key: _Key, where: tuple[int, int, int], arm: str, rate: float) -> None:
         """Pair a sample of ``arm`` with the last of each other arm at its
-        width bucket and mix (any context: a few steps apart, the context
-        moved little) if it is recent (:data:`PAIR_GAP`)."""
+        width bucket and mix if it is recent (:data:`PAIR_GAP`), at the same
+        or a shorter context bucket: a few steps apart, the rows grew a
+        little, and pairs across a bucket carry an arm's lead from one to
+        the next (keyed by the whole key they cost the d1 greedy cells,
+        ``chooser_ab_cross_context_pairs_reverted.json``). A sample at a
+        longer bucket than this one's came before the batch turned over
+        (rows only grow): shorter rows' steps are faster whatever the arm,
+        and such a pair rated this arm for the new rows' length, not for
+        its own speed (``pair_ages_d2_c4_t08_short_cd7d61e_fiftyfourth.txt``:
+        plain at bucket 0 against pipelined at bucket 2)."""
         self._clock += 1
         last = self._last_sample.setdefault(where[:2], {})
         if rate <= 0:
             return
-        for other, (when, other_rate) in last.items():
-            if other != arm and self._clock - when <= PAIR_GAP and other_rate > 0:
+        for other, (when, other_rate, other_context) in last.items():
+            if other != arm and self._clock - when <= PAIR_GAP and other_rate > 0 and other_context <= where[2]:
                 ratio = math.log(rate / other_rate)
                 key.pairs.setdefault((arm, other), deque(maxlen=PAIR_WINDOW)).append(ratio)
                 key.pairs.setdefault((other, arm), deque(maxlen=PAIR_WINDOW)).append(-ratio)
                 key.paired_rate[(arm, other)] = key.arms[arm].rate
                 key.paired_rate[(other, arm)] = key.arms[other].rate
-        last[arm] = (self._clock, rate)
+        last[arm] = (self._clock, rate, where[2])
 
     def _doubt_plain(self, key: _Key, where: tuple[int, int, int], winner: str, in_flight: str | None) -> bool:
         """Whether to measure plain beside speculative ``winner`` before its
