@@ -5,11 +5,12 @@ instance, a decode instance with loopspec and the router, over vLLM's
 One deployment serves the whole module, and one colocated loopspec server
 started beside it (three engine starts in all, overlapped); the fault tests
 use the deployment too, with vLLM's default KV lease (30 s), so that the
-blocks nobody pulls are freed within the module's waits. The native reference is the prefill instance
-itself: a plain vLLM server, whose ``NixlConnector`` acts only on requests
-that carry ``kv_transfer_params``, so a request without them is prefilled
-and decoded there natively (colocated). Every server is a child stopped by
-pid; every request and wait is bounded.
+blocks nobody pulls are freed within the module's waits. The native
+reference is the prefill instance itself: a plain vLLM server, whose
+``NixlConnector`` acts only on requests that carry ``kv_transfer_params``,
+so a request without them is prefilled and decoded there natively
+(colocated). Every server is a child stopped by pid; every request and
+wait is bounded.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ SERVE_ARGS = ("--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--gp
 # Prefill blocks nobody pulls are freed after this. vLLM's default; an 8 s lease
 # ran out once on a loaded CI host between the prefill's answer and the decode
 # side's pull, so the decode read blocks another prompt then owned (README, "Faults
-# and policy"). _assert_no_stale_reads names that cause if it happens again.
+# and policy"). _assert_equal_to_native names that cause if it happens again.
 KV_LEASE_S = 30
+STALE_READS = "vllm:nixl_num_notifications_after_expiry_total"  # pulls the prefill saw after the lease
 # The decode side drafts a fixed K: the adaptive policy's decisions follow
 # measured step times, so a seeded stream would differ from run to run (as
 # under any change of schedule); a pinned K makes seeded streams comparable.
@@ -138,9 +140,9 @@ def pd_prompts(tokenizer, pd):
 
 def _stale_reads(pd) -> float:
     """Pulls the prefill instance saw after their blocks' lease ran out."""
-    name, text = "vllm:nixl_num_notifications_after_expiry_total", pd.prefill.metrics()
-    assert f"\n{name}{{" in text, f"the prefill instance exports no {name}"
-    return metric_sum(text, name)
+    text = pd.prefill.metrics()
+    assert f"\n{STALE_READS}{{" in text, f"the prefill instance exports no {STALE_READS}"
+    return metric_sum(text, STALE_READS)
 
 
 def _assert_equal_to_native(pd, stale_before: float, prompts, outs, native_greedy) -> None:
@@ -326,14 +328,10 @@ def test_fault_prefill_blocks_never_pulled(pd, pd_prompts):
     assert _completion(pd.client, pd_prompts[0])  # both sides still serve
     # An idle prefill engine reads its notifications at its next step: the
     # request above made one.
-    until(lambda: _assert_more_stale_reads(pd, stale), timeout=30)
+    until(lambda: _assert_more(pd.prefill, STALE_READS, stale), timeout=30)
     after = prompt_tokens_by_source(pd.decode.metrics())
     assert after["local_compute"] == before["local_compute"]  # pulled, not recomputed
     _assert_kv_freed(pd.prefill, pd.decode)
-
-
-def _assert_more_stale_reads(pd, than: float) -> None:
-    assert _stale_reads(pd) > than
 
 
 def _assert_more(server, name: str, than: float) -> None:
